@@ -1,0 +1,1 @@
+"""moejax: hybrid KDA/MLA Mixture-of-Experts language models in JAX/Flax."""

@@ -1,0 +1,137 @@
+"""The config schema: defaults for every field, and validation with clear errors.
+
+Experiment files (`experiments/*.py`) start from `base_config()`, override what they need and
+return it from `get_config()`. `validate()` runs before any model is built, so a bad config fails
+with a message naming the field instead of a shape error deep inside a jitted function.
+"""
+
+import ml_collections
+
+MIXERS = ("kda", "mla")
+BALANCE_MODES = ("quantile", "sign", "aux", "none")
+RESIDUAL_MODES = ("attnres", "residual")
+KDA_IMPLEMENTATIONS = (None, "xla", "pallas", "interpret", "recurrent")
+
+
+class ConfigError(ValueError):
+  """A config that cannot describe a working model or run."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+
+  m = c.model = ml_collections.ConfigDict()
+  m.vocab_size = 512
+  m.d_model = 64
+  m.num_layers = 4
+  # One letter per layer, repeated to cover num_layers: K = KDA, M = gated MLA.
+  m.layer_pattern = "KKKM"
+  m.num_dense_layers = 1  # the first layers use a dense FFN, the rest the MoE FFN
+  m.dtype = "float32"  # activation / matmul dtype
+  m.param_dtype = "float32"
+  m.norm_eps = 1e-6
+  m.tie_embeddings = False
+  m.remat = "none"  # "none" | "full": rematerialise each layer in the backward pass
+
+  k = m.kda = ml_collections.ConfigDict()
+  k.num_heads = 4
+  k.head_k_dim = 16
+  k.head_v_dim = 16
+  k.conv_size = 4
+  k.gate_lower_bound = -5.0
+  k.gate_rank = 16  # low-rank width of the decay-gate and output-gate projections
+  k.chunk_size = 64
+  k.implementation = ml_collections.FieldReference(None, field_type=str)
+
+  a = m.mla = ml_collections.ConfigDict()
+  a.num_heads = 4
+  a.q_lora_rank = 32
+  a.kv_lora_rank = 16
+  a.qk_nope_head_dim = 16
+  a.v_head_dim = 16
+
+  r = m.attnres = ml_collections.ConfigDict()
+  r.mode = "attnres"  # "attnres" | "residual" (plain pre-norm residual, for ablation)
+  r.block_size = 4  # in sublayers: each mixer and each FFN is one sublayer
+
+  f = m.ffn = ml_collections.ConfigDict()
+  f.hidden_dim = 128  # dense SiTU-GLU width
+  f.situ_b1 = 4.0
+  f.situ_b2 = 25.0
+
+  e = m.moe = ml_collections.ConfigDict()
+  e.num_experts = 8
+  e.top_k = 2
+  e.num_shared = 1
+  e.shared_hidden_dim = 64
+  e.latent_dim = 32
+  e.expert_hidden_dim = 32
+  e.routed_scaling = 1.0
+  e.balance = "quantile"
+  e.balance_iters = 4
+  e.histogram_bins = 2048
+  e.sign_rate = 1e-3
+  e.aux_loss_weight = 1e-4
+  e.capacity_factor = 2.0  # only for the capacity-padded all_to_all expert-parallel path (CPU)
+
+  lo = m.loss = ml_collections.ConfigDict()
+  lo.z_loss_weight = 0.0
+
+  return c
+
+
+def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Raises ConfigError naming the offending field; returns the config for chaining."""
+  m = config.model
+
+  def need(cond, msg):
+    if not cond:
+      raise ConfigError(msg)
+
+  for name in ("vocab_size", "d_model", "num_layers"):
+    need(int(m[name]) > 0, f"model.{name} must be positive, got {m[name]}")
+  need(m.dtype in ("float32", "bfloat16", "float16"), f"model.dtype {m.dtype!r} is not a float dtype")
+  need(m.param_dtype in ("float32", "bfloat16"), f"model.param_dtype {m.param_dtype!r} unsupported")
+  need(m.remat in ("none", "full"), f"model.remat must be 'none' or 'full', got {m.remat!r}")
+
+  pattern = m.layer_pattern
+  need(len(pattern) > 0 and set(pattern) <= {"K", "M"},
+       f"model.layer_pattern {pattern!r} must be a non-empty string of 'K' (KDA) and 'M' (MLA)")
+  need(m.num_layers % len(pattern) == 0,
+       f"model.layer_pattern {pattern!r} (length {len(pattern)}) does not fit "
+       f"model.num_layers={m.num_layers}: the layer count must be a multiple of the pattern length")
+  need(0 <= m.num_dense_layers <= m.num_layers,
+       f"model.num_dense_layers={m.num_dense_layers} must be in [0, num_layers={m.num_layers}]")
+
+  k = m.kda
+  lb = float(k.gate_lower_bound)
+  need(-5.0 <= lb < 0.0,
+       f"model.kda.gate_lower_bound={lb} must lie in [-5, 0): below -5 the 16-token tile exponent "
+       f"exceeds fp32 range (5*15=75 < 88.7), and 0 would freeze the state")
+  need(k.head_k_dim <= 256 and k.head_v_dim <= 256, "model.kda head dims must be <= 256")
+  need(k.chunk_size % 16 == 0 and k.chunk_size > 0,
+       f"model.kda.chunk_size={k.chunk_size} must be a positive multiple of the 16-token tile")
+  need(k.implementation in KDA_IMPLEMENTATIONS,
+       f"model.kda.implementation={k.implementation!r} not in {KDA_IMPLEMENTATIONS}")
+  need(k.conv_size >= 1, "model.kda.conv_size must be >= 1")
+
+  for name, heads in (("kda", k.num_heads), ("mla", m.mla.num_heads)):
+    need(heads > 0 and m.d_model % heads == 0,
+         f"model.{name}.num_heads={heads} does not divide model.d_model={m.d_model}")
+
+  r = m.attnres
+  need(r.mode in RESIDUAL_MODES, f"model.attnres.mode={r.mode!r} not in {RESIDUAL_MODES}")
+  need(r.block_size >= 1, f"model.attnres.block_size={r.block_size} must be >= 1")
+
+  f = m.ffn
+  need(f.situ_b1 > 0 and f.situ_b2 > 0, "model.ffn.situ_b1 and situ_b2 must be positive")
+
+  e = m.moe
+  if m.num_dense_layers < m.num_layers:
+    need(e.num_experts >= 1, "model.moe.num_experts must be >= 1")
+    need(1 <= e.top_k <= e.num_experts,
+         f"model.moe.top_k={e.top_k} must be in [1, num_experts={e.num_experts}]")
+    need(e.balance in BALANCE_MODES, f"model.moe.balance={e.balance!r} not in {BALANCE_MODES}")
+    need(e.num_shared >= 0, "model.moe.num_shared must be >= 0")
+    need(e.latent_dim > 0 and e.expert_hidden_dim > 0, "model.moe latent/expert dims must be positive")
+  return config
