@@ -35,8 +35,9 @@ def base_config() -> ml_collections.ConfigDict:
 
   k = m.kda = ml_collections.ConfigDict()
   k.num_heads = 4
-  k.head_k_dim = 16
-  k.head_v_dim = 16
+  # Head widths; set to None to derive d_model // num_heads (which then must divide evenly).
+  k.head_k_dim = ml_collections.FieldReference(16, field_type=int)
+  k.head_v_dim = ml_collections.FieldReference(16, field_type=int)
   k.conv_size = 4
   k.gate_lower_bound = -5.0
   k.gate_rank = 16  # low-rank width of the decay-gate and output-gate projections
@@ -47,8 +48,8 @@ def base_config() -> ml_collections.ConfigDict:
   a.num_heads = 4
   a.q_lora_rank = 32
   a.kv_lora_rank = 16
-  a.qk_nope_head_dim = 16
-  a.v_head_dim = 16
+  a.qk_nope_head_dim = ml_collections.FieldReference(16, field_type=int)
+  a.v_head_dim = ml_collections.FieldReference(16, field_type=int)
 
   r = m.attnres = ml_collections.ConfigDict()
   r.mode = "attnres"  # "attnres" | "residual" (plain pre-norm residual, for ablation)
@@ -81,7 +82,10 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """Raises ConfigError naming the offending field; returns the config for chaining."""
+  """Raises ConfigError naming the offending field; fills derived head widths in place.
+
+  Returns the config for chaining.
+  """
   m = config.model
 
   def need(cond, msg):
@@ -103,6 +107,17 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   need(0 <= m.num_dense_layers <= m.num_layers,
        f"model.num_dense_layers={m.num_dense_layers} must be in [0, num_layers={m.num_layers}]")
 
+  for name, heads, dims in (("kda", m.kda.num_heads, ("head_k_dim", "head_v_dim")),
+                            ("mla", m.mla.num_heads, ("qk_nope_head_dim", "v_head_dim"))):
+    need(heads > 0, f"model.{name}.num_heads must be positive, got {heads}")
+    for dim in dims:
+      if m[name][dim] is None:
+        need(m.d_model % heads == 0,
+             f"model.{name}.num_heads={heads} does not divide model.d_model={m.d_model}, so "
+             f"model.{name}.{dim} cannot be derived: set it explicitly or change the head count")
+        m[name][dim] = m.d_model // heads
+      need(m[name][dim] > 0, f"model.{name}.{dim} must be positive, got {m[name][dim]}")
+
   k = m.kda
   lb = float(k.gate_lower_bound)
   need(-5.0 <= lb < 0.0,
@@ -114,10 +129,6 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   need(k.implementation in KDA_IMPLEMENTATIONS,
        f"model.kda.implementation={k.implementation!r} not in {KDA_IMPLEMENTATIONS}")
   need(k.conv_size >= 1, "model.kda.conv_size must be >= 1")
-
-  for name, heads in (("kda", k.num_heads), ("mla", m.mla.num_heads)):
-    need(heads > 0 and m.d_model % heads == 0,
-         f"model.{name}.num_heads={heads} does not divide model.d_model={m.d_model}")
 
   r = m.attnres
   need(r.mode in RESIDUAL_MODES, f"model.attnres.mode={r.mode!r} not in {RESIDUAL_MODES}")

@@ -1,0 +1,47 @@
+"""The full-scale shape (reported: Kimi K3, 2.78T total / 104.2B active parameters).
+
+For abstract init only (`python -m moejax.params --config experiments/k3.py`): it does not fit one GPU.
+Every dimension below is either reported (R) or assumed by us (A) to land the reported totals; the
+assumptions are what a reader should question first.
+"""
+
+from moejax.config import base_config
+
+
+def get_config():
+  c = base_config()
+  m = c.model
+  m.vocab_size = 163_840  # R "about 160K"; A: 160 * 1024, a multiple of 128 for sharding
+  m.d_model = 7168  # R
+  m.num_layers = 93  # R: 69 KDA + 24 gated MLA
+  # R 3:1 KDA:MLA. A: layer 0 is the extra MLA layer (93 = 1 + 23 * 4), then KKKM repeated.
+  m.layer_pattern = "M" + "KKKM" * 23
+  m.num_dense_layers = 1  # R: layer 0 dense
+  m.dtype = "bfloat16"
+  m.param_dtype = "float32"
+  m.remat = "full"
+
+  m.kda.num_heads = 96  # R: 96 heads
+  m.kda.head_k_dim = 128  # A: K = V = 128 as in the public KDA models
+  m.kda.head_v_dim = 128  # A
+  m.kda.gate_rank = 128  # A: low-rank width of decay and output gates = head dim
+  m.kda.conv_size = 4  # R
+
+  m.mla.num_heads = 96  # R
+  m.mla.q_lora_rank = 1536  # R
+  m.mla.kv_lora_rank = 512  # R
+  m.mla.qk_nope_head_dim = 128  # R
+  m.mla.v_head_dim = 128  # R
+
+  m.attnres.block_size = 24  # R: 12 layers per block = 24 sublayers
+
+  m.ffn.hidden_dim = 18_432  # A: dense layer-0 FFN width as in DeepSeek-V3-style models
+
+  m.moe.num_experts = 896  # R
+  m.moe.top_k = 16  # R
+  m.moe.num_shared = 2  # R: two full-width shared experts
+  m.moe.shared_hidden_dim = 4096  # A: chosen with the totals below
+  m.moe.latent_dim = 3584  # R: d/2
+  m.moe.expert_hidden_dim = 3072  # R
+  m.moe.routed_scaling = 2.5  # A
+  return c
