@@ -77,7 +77,36 @@ def base_config() -> ml_collections.ConfigDict:
 
   lo = m.loss = ml_collections.ConfigDict()
   lo.z_loss_weight = 0.0
+  lo.chunk_tokens = 2048  # the LM head runs over this many positions at a time
 
+  o = c.optim = ml_collections.ConfigDict()
+  o.name = "adamw"  # "adamw" | "muon" (Muon on matrices, AdamW on the rest)
+  o.lr = 3e-3
+  o.adam_lr = 3e-3  # AdamW part of "muon"
+  o.warmup_steps = 20
+  o.final_lr_fraction = 0.1
+  o.b1 = 0.9
+  o.b2 = 0.95
+  o.eps = 1e-8
+  o.weight_decay = 0.1
+  o.grad_clip = 1.0  # global-norm clip; 0 disables
+  o.muon_beta = 0.95
+  o.muon_consistent_rms = 0.2
+  o.qk_clip_tau = 0.0  # > 0 enables per-head QK-clip on MLA (reported MuonClip uses 100)
+
+  t = c.train = ml_collections.ConfigDict()
+  # Progressive context: (seq_len, steps, tokens per batch) per stage, run in order.
+  t.stages = [(128, 200, 4096)]
+  t.seed = 0
+  t.log_every = 10
+  t.eval_every = 100
+  t.eval_batches = 4
+  t.checkpoint_every = 100
+  t.keep_checkpoints = 3
+  t.max_bad_steps = 5  # stop after this many consecutive non-finite steps
+  t.maxvio_alert = 1.0  # warn when MaxVio_batch stays above this ...
+  t.maxvio_alert_steps = 50  # ... for this many consecutive steps
+  t.progress_bar = True
   return c
 
 
@@ -145,4 +174,20 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(e.balance in BALANCE_MODES, f"model.moe.balance={e.balance!r} not in {BALANCE_MODES}")
     need(e.num_shared >= 0, "model.moe.num_shared must be >= 0")
     need(e.latent_dim > 0 and e.expert_hidden_dim > 0, "model.moe latent/expert dims must be positive")
+  o = config.optim
+  need(o.name in ("adamw", "muon"), f"optim.name={o.name!r} must be 'adamw' or 'muon'")
+  need(o.lr > 0 and o.adam_lr > 0, "optim.lr and optim.adam_lr must be positive")
+  need(o.warmup_steps >= 0 and o.grad_clip >= 0 and o.qk_clip_tau >= 0,
+       "optim.warmup_steps, grad_clip and qk_clip_tau must be >= 0")
+
+  t = config.train
+  need(len(t.stages) > 0, "train.stages must list at least one (seq_len, steps, tokens_per_batch)")
+  for i, stage in enumerate(t.stages):
+    need(len(stage) == 3, f"train.stages[{i}]={stage!r} must be (seq_len, steps, tokens_per_batch)")
+    seq_len, steps, tokens = stage
+    need(seq_len >= 2 and steps >= 1 and tokens >= seq_len,
+         f"train.stages[{i}]={stage!r}: need seq_len >= 2, steps >= 1, tokens_per_batch >= seq_len")
+    need(tokens % seq_len == 0,
+         f"train.stages[{i}]: tokens_per_batch={tokens} is not a multiple of seq_len={seq_len}")
+  need(t.max_bad_steps >= 1, "train.max_bad_steps must be >= 1")
   return config

@@ -1,0 +1,120 @@
+"""The train state and the one jitted step that advances it.
+
+Everything a run carries lives in `TrainState`: step, params, optimizer state, the routing balance
+state (router biases and load statistics, which get no gradient) and the rng. Checkpoints save this
+pytree whole, so a resumed run continues bit-exactly.
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from moejax import balance as balance_lib
+from moejax.loss import cross_entropy
+from moejax.model import Transformer
+from moejax.optim import make_optimizer, qk_clip
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  balance: Any  # the model's "balance" collection plus accumulated load statistics
+  rng: jax.Array  # raw uint32 key data
+  bad_steps: jax.Array  # consecutive non-finite steps (the update was skipped)
+
+
+def logical_axes(boxed_params):
+  """Tree of logical-axis tuples, one per parameter, from nn.Partitioned boxes."""
+  return jax.tree.map(lambda p: tuple(p.names) if isinstance(p, nn.Partitioned) else (None,) * p.ndim,
+                      boxed_params, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+def head_matrix(params, cfg_model):
+  return params["embedding"].T if cfg_model.tie_embeddings else params["head"]
+
+
+def init_state(model: Transformer, config, rng: jax.Array, total_steps: int):
+  """Returns (state, optimizer, logical_axes)."""
+  init_rng, state_rng = jax.random.split(rng)
+  state_rng = jax.random.key_data(state_rng)  # raw uint32, which checkpoints as a plain array
+  variables = model.init(init_rng, jnp.zeros((1, 16), jnp.int32))
+  axes = logical_axes(variables["params"])
+  params = nn.unbox(variables["params"])
+  optimizer = make_optimizer(config.optim, axes, total_steps)
+  state = TrainState(
+      step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+      balance=balance_lib.init_balance_state(variables.get("balance", {})), rng=state_rng,
+      bad_steps=jnp.zeros((), jnp.int32))
+  return state, optimizer, axes
+
+
+def _sum_leaves(tree, name):
+  leaves = [v for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if any(getattr(k, "key", None) == name for k in path)]
+  return sum((jnp.sum(v) for v in leaves), jnp.zeros((), jnp.float32))
+
+
+def _mla_max_logits(attn_stats):
+  """{param path prefix of an MLA layer: [heads] max logit} from the sown "attn_stats" collection."""
+  out = {}
+  for path, v in jax.tree_util.tree_flatten_with_path(attn_stats)[0]:
+    keys = tuple(getattr(k, "key", k) for k in path)
+    if "max_logit" in keys:
+      out[keys[:keys.index("max_logit")]] = jnp.max(jnp.reshape(v, (-1, v.shape[-1])), axis=0)
+  return out
+
+
+def make_train_step(model: Transformer, optimizer: optax.GradientTransformation, config):
+  cfg = config.model
+  mutable = ["router", "attn_stats"]
+
+  def loss_fn(params, balance_vars, batch):
+    h_BTD, stats = model.apply({"params": params, "balance": balance_vars}, batch["tokens"],
+                               batch["segment_ids"], mutable=mutable)
+    loss, metrics = cross_entropy(h_BTD, head_matrix(params, cfg), batch["targets"], batch["loss_mask"],
+                                  z_loss_weight=cfg.loss.z_loss_weight, chunk=cfg.loss.chunk_tokens)
+    aux = _sum_leaves(stats.get("router", {}), "aux_loss")
+    metrics["aux_loss"] = aux
+    return loss + aux, (metrics, stats)
+
+  def train_step(state: TrainState, batch):
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (loss, (metrics, stats)), grads = grad_fn(state.params, balance_lib.model_vars(state.balance), batch)
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    if config.optim.qk_clip_tau > 0:
+      params = qk_clip(params, _mla_max_logits(stats.get("attn_stats", {})), config.optim.qk_clip_tau)
+    new_balance = balance_lib.next_balance_state(cfg.moe, state.balance, stats.get("router", {}))
+
+    # A non-finite loss or gradient skips the whole update, balance state included.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    next_state = TrainState(
+        step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
+        balance=keep(new_balance, state.balance), rng=jax.random.fold_in(state.rng, state.step),
+        bad_steps=jnp.where(finite, 0, state.bad_steps + 1))
+    metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "finite": finite,
+               **balance_lib.step_metrics(cfg.moe, new_balance, stats.get("router", {}))}
+    return next_state, metrics
+
+  return train_step
+
+
+def make_eval_step(model: Transformer, config):
+  cfg = config.model
+
+  def eval_step(state: TrainState, batch):
+    h_BTD, _ = model.apply({"params": state.params, "balance": balance_lib.model_vars(state.balance)},
+                           batch["tokens"], batch["segment_ids"], mutable=["router", "attn_stats"])
+    _, metrics = cross_entropy(h_BTD, head_matrix(state.params, cfg), batch["targets"], batch["loss_mask"],
+                               chunk=cfg.loss.chunk_tokens)
+    return metrics
+
+  return eval_step
