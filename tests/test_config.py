@@ -1,0 +1,61 @@
+"""Config validation gives clear errors naming the field; experiment files load."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+from moejax.config import ConfigError, base_config, validate
+
+EXPERIMENTS = sorted(pathlib.Path(__file__).parent.parent.glob("experiments/*.py"))
+
+
+def _load(path):
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
+def test_experiment_configs_validate(path):
+  validate(_load(path))
+
+
+def _with(**overrides):
+  c = base_config()
+  for dotted, value in overrides.items():
+    node = c
+    *parents, leaf = dotted.split("__")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return c
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(model__kda__gate_lower_bound=-5.5), r"gate_lower_bound=-5.5 must lie in \[-5, 0\)"),
+    (dict(model__kda__gate_lower_bound=0.0), r"gate_lower_bound=0.0 must lie in \[-5, 0\)"),
+    (dict(model__layer_pattern="KKKM", model__num_layers=6), r"does not fit model.num_layers=6"),
+    (dict(model__layer_pattern="KXM"), r"string of 'K' \(KDA\) and 'M' \(MLA\)"),
+    (dict(model__kda__num_heads=5, model__kda__head_k_dim=None),
+     r"model.kda.num_heads=5 does not divide model.d_model=64"),
+    (dict(model__mla__num_heads=3, model__mla__v_head_dim=None),
+     r"model.mla.num_heads=3 does not divide model.d_model=64"),
+    (dict(model__kda__chunk_size=24), r"chunk_size=24 must be a positive multiple of the 16-token tile"),
+    (dict(model__moe__top_k=9), r"top_k=9 must be in \[1, num_experts=8\]"),
+    (dict(model__moe__balance="magic"), r"balance='magic' not in"),
+    (dict(model__attnres__mode="sum"), r"attnres.mode='sum'"),
+    (dict(model__num_dense_layers=9), r"num_dense_layers=9"),
+    (dict(train__stages=[(128, 10, 1000)]), r"not a multiple of seq_len=128"),
+    (dict(train__stages=[]), r"at least one"),
+    (dict(optim__name="sgd"), r"optim.name='sgd'"),
+])
+def test_bad_configs_fail_clearly(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    validate(_with(**overrides))
+
+
+def test_derived_head_widths():
+  c = validate(_with(model__kda__head_k_dim=None, model__mla__qk_nope_head_dim=None))
+  assert c.model.kda.head_k_dim == 16 and c.model.mla.qk_nope_head_dim == 16
