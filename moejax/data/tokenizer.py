@@ -1,0 +1,82 @@
+"""Byte-level BPE, trained locally with the `tokenizers` package and stored as one JSON file.
+
+Byte-level means every string round-trips exactly: `decode(encode(x)) == x` for any Unicode
+text, because the base alphabet is the 256 bytes and merges only ever join them. Three special
+tokens come first in the vocabulary: PAD (0, what packed rows are padded with), BOS and EOS (put
+around every document by `encode_document`).
+"""
+
+import os
+from collections.abc import Iterable
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+SPECIAL_TOKENS = (PAD, BOS, EOS)
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+
+
+def _empty_byte_level() -> Tokenizer:
+  tok = Tokenizer(models.BPE())
+  # No prefix space: it would add a character the decoder cannot tell from real text.
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  return tok
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+  """Trains a byte-level BPE of at most `vocab_size` entries (fewer if the text runs out of
+  pairs to merge). Training is deterministic for a given text stream."""
+  if vocab_size < MIN_VOCAB_SIZE:
+    raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs the 256 byte "
+                     f"symbols plus {len(SPECIAL_TOKENS)} special tokens, so at least "
+                     f"{MIN_VOCAB_SIZE}")
+  tok = _empty_byte_level()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                show_progress=False)
+  tok.train_from_iterator(texts, trainer=trainer)
+  return _ready(tok)
+
+
+def _ready(tok: Tokenizer) -> Tokenizer:
+  check_special_ids(tok)
+  # A document that contains the text "<|eos|>" must not end early: special tokens are only ever
+  # inserted by encode_documents, never matched in the text. (Not stored in the JSON file.)
+  tok.encode_special_tokens = True
+  return tok
+
+
+def check_special_ids(tok: Tokenizer) -> None:
+  for name, want in zip(SPECIAL_TOKENS, (PAD_ID, BOS_ID, EOS_ID), strict=True):
+    got = tok.token_to_id(name)
+    if got != want:
+      raise ValueError(f"tokenizer maps special token {name!r} to {got}, expected {want}: "
+                       f"it was not built by moejax.data.tokenizer")
+
+
+def save_tokenizer(tok: Tokenizer, path: str) -> None:
+  tok.save(path)
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"no tokenizer at {path!r}: run `python -m moejax.data.prepare` first")
+  return _ready(Tokenizer.from_file(path))
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+  """The narrowest unsigned dtype that holds every id: what the shards store."""
+  return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def encode_documents(tok: Tokenizer, texts: list[str]) -> list[np.ndarray]:
+  """BOS + ids + EOS per text, int64. BOS gives the first real token a target; EOS teaches the
+  model where documents end."""
+  return [np.array([BOS_ID, *enc.ids, EOS_ID], np.int64) for enc in tok.encode_batch(texts)]
+
+
+def decode(tok: Tokenizer, ids) -> str:
+  return tok.decode([int(i) for i in ids], skip_special_tokens=True)
