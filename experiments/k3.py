@@ -11,7 +11,7 @@ from moejax.config import base_config
 def get_config():
   c = base_config()
   m = c.model
-  m.vocab_size = 163_840  # R "about 160K"; A: 160 * 1024, a multiple of 128 for sharding
+  c.data.vocab_size = 163_840  # R "about 160K"; A: 160 * 1024. model.vocab_size follows it
   m.d_model = 7168  # R
   m.num_layers = 93  # R: 69 KDA + 24 gated MLA
   # R 3:1 KDA:MLA. A: layer 0 is the extra MLA layer (93 = 1 + 23 * 4), then KKKM repeated.

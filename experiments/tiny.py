@@ -9,7 +9,7 @@ from moejax.config import base_config
 def get_config():
   c = base_config()
   m = c.model
-  m.vocab_size = 1024
+  c.data.vocab_size = 1024  # the model's vocab_size follows
   m.d_model = 64
   m.num_layers = 4
   m.layer_pattern = "KKKM"

@@ -18,10 +18,14 @@ class ConfigError(ValueError):
 
 
 def base_config() -> ml_collections.ConfigDict:
+  from moejax.data.config import default_data_config  # moejax.data imports ConfigError from here
+
   c = ml_collections.ConfigDict()
+  c.data = default_data_config()
 
   m = c.model = ml_collections.ConfigDict()
-  m.vocab_size = 512
+  # The model's vocabulary follows the tokenizer's unless an experiment sets it apart.
+  m.vocab_size = c.data.get_ref("vocab_size")
   m.d_model = 64
   m.num_layers = 4
   # One letter per layer, repeated to cover num_layers: K = KDA, M = gated MLA.
@@ -174,6 +178,10 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(e.balance in BALANCE_MODES, f"model.moe.balance={e.balance!r} not in {BALANCE_MODES}")
     need(e.num_shared >= 0, "model.moe.num_shared must be >= 0")
     need(e.latent_dim > 0 and e.expert_hidden_dim > 0, "model.moe latent/expert dims must be positive")
+  from moejax.data.config import validate_data_config
+
+  validate_data_config(config.data)
+
   o = config.optim
   need(o.name in ("adamw", "muon"), f"optim.name={o.name!r} must be 'adamw' or 'muon'")
   need(o.lr > 0 and o.adam_lr > 0, "optim.lr and optim.adam_lr must be positive")

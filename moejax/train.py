@@ -19,8 +19,9 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from moejax import checkpoint as ckpt_lib
-from moejax.config import validate
-from moejax.data import make_iterator, prepare
+from moejax.config import ConfigError, validate
+from moejax.data import load_manifest, make_iterator
+from moejax.data.prepare import prepare
 from moejax.model import build_model
 from moejax.monitor import Monitor, to_row
 from moejax.train_step import init_state, make_eval_step, make_train_step
@@ -60,7 +61,11 @@ def run(config, workdir: str) -> dict:
   """Trains to the end of the last stage; returns the final metrics row."""
   validate(config)
   os.makedirs(workdir, exist_ok=True)
-  prepare(config.data)
+  manifest = load_manifest(prepare(config.data))
+  tokenizer_vocab = manifest["tokenizer"]["vocab_size"]
+  if config.model.vocab_size < tokenizer_vocab:
+    raise ConfigError(f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
+                      f"{tokenizer_vocab} ids")
   model = build_model(config)
   stages = [tuple(s) for s in config.train.stages]
   total_steps = sum(s[1] for s in stages)
