@@ -1,0 +1,172 @@
+"""Gated multi-head latent attention without positional encoding (DESIGN §3).
+
+Queries and keys/values go through low-rank latents (q_lora, kv_lora), each RMS-normalised, then
+per-head up-projections. There is no RoPE: position information comes from the KDA layers. An
+elementwise sigmoid gate of the layer input multiplies the attention output before W_o.
+
+Training runs the whole row through `jax.nn.dot_product_attention`. Decoding (`GatedMLA.decode`)
+caches only the normalised kv latent and folds W_uk into the query and W_uv into the output, so the
+cache costs kv_lora numbers per token instead of heads * (qk + v).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from moejax.layers.short_conv import check_segment_ids, document_ids
+from moejax.nn import RMSNorm, logical_param
+
+ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
+
+
+def kernel_init(num_in_axes: int, ndim: int):
+  """Fan-in init for a kernel whose first `num_in_axes` axes are contracted with the input.
+
+  Spelled out because flax's default picks axis -2 as the input axis, which is wrong for
+  [in, heads, dim] kernels (fan_in would be in * heads).
+  """
+  return nn.initializers.variance_scaling(
+      1.0, "fan_in", "truncated_normal", in_axis=tuple(range(num_in_axes)),
+      out_axis=tuple(range(num_in_axes, ndim)))
+
+
+def matmul(spec: str, x, w, dtype):
+  """einsum in the compute dtype with float32 accumulation, cast back to the compute dtype."""
+  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
+                    preferred_element_type=jnp.float32).astype(dtype)
+
+
+def check_input(x_BTD, d_model: int, layer: str):
+  if x_BTD.ndim != 3 or x_BTD.shape[-1] != d_model:
+    raise ValueError(f"{layer}: expected input [B,T,D] with D={d_model}, got shape {x_BTD.shape}")
+  if not jnp.issubdtype(x_BTD.dtype, jnp.floating):
+    raise ValueError(f"{layer}: expected a floating input, got dtype {x_BTD.dtype}")
+
+
+def init_mla_cache(cfg: ml_collections.FrozenConfigDict, batch: int, max_len: int):
+  """Empty decode cache: the normalised kv latent of every position, and the next write index."""
+  return {"latent": jnp.zeros((batch, max_len, cfg.mla.kv_lora_rank), jnp.dtype(cfg.dtype)),
+          "index": jnp.zeros((), jnp.int32)}
+
+
+class GatedMLA(nn.Module):
+  """y = W_o( sigmoid(W_g x) * Attention_causal,per-document(q, k, v) ), NoPE.
+
+  `attention_impl` None picks cuDNN on GPU for 16-bit compute and XLA otherwise: in jax 0.11.2
+  `implementation=None` still means XLA (it says so in its source), which would materialise the
+  float32 [B,H,T,T] logits, and cuDNN rejects float32 inputs.
+  """
+
+  cfg: ml_collections.FrozenConfigDict
+  attention_impl: str | None = None
+
+  def setup(self):
+    c, a = self.cfg, self.cfg.mla
+    D, H, Q, C = c.d_model, a.num_heads, a.q_lora_rank, a.kv_lora_rank
+    K, V = a.qk_nope_head_dim, a.v_head_dim
+    if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(f"GatedMLA.attention_impl={self.attention_impl!r} not in "
+                       f"{ATTENTION_IMPLEMENTATIONS}")
+    pdt = jnp.dtype(c.param_dtype)
+
+    def param(name, shape, axes, num_in_axes=1):
+      return logical_param(self, name, kernel_init(num_in_axes, len(shape)), shape, axes, pdt)
+
+    self.w_dq = param("w_dq", (D, Q), ("embed", "q_lora"))
+    self.w_uq = param("w_uq", (Q, H, K), ("q_lora", "heads", "kv"))
+    self.w_dkv = param("w_dkv", (D, C), ("embed", "kv_lora"))
+    self.w_uk = param("w_uk", (C, H, K), ("kv_lora", "heads", "kv"))
+    self.w_uv = param("w_uv", (C, H, V), ("kv_lora", "heads", "kv"))
+    self.w_g = param("w_g", (D, H, V), ("embed", "heads", "kv"))
+    self.w_o = param("w_o", (H, V, D), ("heads", "kv", "embed"), num_in_axes=2)
+    norm = lambda: RMSNorm(eps=c.norm_eps, dtype=self.dtype, param_dtype=pdt)
+    self.q_norm = norm()
+    self.kv_norm = norm()
+
+  @property
+  def dtype(self):
+    return jnp.dtype(self.cfg.dtype)
+
+  def queries(self, x_BTD):
+    """[B,T,H,K] queries through the normalised q latent."""
+    cq_BTQ = self.q_norm(matmul("btd,dq->btq", x_BTD, self.w_dq, self.dtype))
+    return matmul("btq,qhk->bthk", cq_BTQ, self.w_uq, self.dtype)
+
+  def kv_latent(self, x_BTD):
+    """[B,T,C] normalised kv latent: the only per-token state decoding keeps."""
+    return self.kv_norm(matmul("btd,dc->btc", x_BTD, self.w_dkv, self.dtype))
+
+  def gated_output(self, x_BTD, o_BTHV):
+    gate_BTHV = jax.nn.sigmoid(matmul("btd,dhv->bthv", x_BTD, self.w_g, self.dtype).astype(jnp.float32))
+    return matmul("bthv,hvd->btd", (gate_BTHV * o_BTHV.astype(jnp.float32)).astype(self.dtype),
+                  self.w_o, self.dtype)
+
+  def implementation(self):
+    if self.attention_impl is not None:
+      return self.attention_impl
+    half = self.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
+
+  def __call__(self, x_BTD, segment_ids_BT=None):
+    check_input(x_BTD, self.cfg.d_model, "GatedMLA")
+    B, T, _ = x_BTD.shape
+    x_BTD = x_BTD.astype(self.dtype)
+    q_BTHK = self.queries(x_BTD)
+    c_BTC = self.kv_latent(x_BTD)
+    k_BTHK = matmul("btc,chk->bthk", c_BTC, self.w_uk, self.dtype)
+    v_BTHV = matmul("btc,chv->bthv", c_BTC, self.w_uv, self.dtype)
+
+    # Packed documents go in as a boolean [B,1,T,T] mask next to is_causal=True. It is the one
+    # per-document form both backends take: query_seq_lengths/key_value_seq_lengths only describe
+    # one padded sequence per row, local_window_size is a fixed width, and cuDNN's packed-segment
+    # offsets are not reachable through jax.nn.dot_product_attention. XLA ANDs the mask with the
+    # causal mask; cuDNN turns it into an additive bias (T^2 per row, fine up to a few 10K tokens)
+    # and still skips the upper triangle. Every query sees itself, so no row is fully masked.
+    mask_B1TT = None
+    if segment_ids_BT is not None:
+      check_segment_ids(segment_ids_BT, B, T)
+      doc_BT = document_ids(segment_ids_BT)
+      mask_B1TT = doc_BT[:, None, :, None] == doc_BT[:, None, None, :]
+
+    # The API wants keys and values of one shape; zero columns change neither the logits (q.k)
+    # nor the kept output columns, and the scale is passed explicitly.
+    K, V = q_BTHK.shape[-1], v_BTHV.shape[-1]
+    width = max(K, V)
+    pad = lambda t: jnp.pad(t, ((0, 0), (0, 0), (0, 0), (0, width - t.shape[-1])))
+    o_BTHV = jax.nn.dot_product_attention(
+        pad(q_BTHK), pad(k_BTHK), pad(v_BTHV), mask=mask_B1TT, scale=K ** -0.5, is_causal=True,
+        implementation=self.implementation())[..., :V]
+    return self.gated_output(x_BTD, o_BTHV)
+
+  def decode(self, x_BSD, cache):
+    """Appends S tokens (S >= 1) of one document per row to `cache`; returns (y_BSD, new cache).
+
+    Scores are q^T W_uk^T c = (W_uk q)^T c and outputs W_uv^T (sum_j p_j c_j), so attention runs
+    in the kv_lora space as multi-query attention with a single latent head for keys and values.
+    """
+    check_input(x_BSD, self.cfg.d_model, "GatedMLA.decode")
+    latent_BLC, index = cache["latent"], cache["index"]
+    S, L = x_BSD.shape[1], latent_BLC.shape[1]
+    if latent_BLC.shape != (x_BSD.shape[0], L, self.cfg.mla.kv_lora_rank):
+      raise ValueError(f"GatedMLA.decode: cache latent shape {latent_BLC.shape} does not match "
+                       f"batch {x_BSD.shape[0]} and kv_lora_rank {self.cfg.mla.kv_lora_rank}")
+    if not isinstance(index, jax.core.Tracer) and int(index) + S > L:
+      raise ValueError(f"GatedMLA.decode: writing {S} tokens at index {int(index)} overflows the "
+                       f"cache of length {L}")
+    x_BSD = x_BSD.astype(self.dtype)
+    c_BSC = self.kv_latent(x_BSD)
+    latent_BLC = jax.lax.dynamic_update_slice(latent_BLC, c_BSC.astype(latent_BLC.dtype),
+                                              (0, index, 0))
+    q_BSHK = self.queries(x_BSD)
+    qc_BSHC = matmul("bshk,chk->bshc", q_BSHK, self.w_uk, self.dtype)
+    kv_BL1C = latent_BLC.astype(self.dtype)[:, :, None, :]
+    pos_S = index + jnp.arange(S, dtype=jnp.int32)
+    mask_11SL = (jnp.arange(L, dtype=jnp.int32)[None, :] <= pos_S[:, None])[None, None]
+    # XLA: with one query token per step the work is a memory-bound read of the cache, and cuDNN
+    # would need seqlens/bias plumbing for the partly filled cache.
+    oc_BSHC = jax.nn.dot_product_attention(qc_BSHC, kv_BL1C, kv_BL1C, mask=mask_11SL,
+                                           scale=self.cfg.mla.qk_nope_head_dim ** -0.5,
+                                           implementation="xla")
+    o_BSHV = matmul("bshc,chv->bshv", oc_BSHC, self.w_uv, self.dtype)
+    return self.gated_output(x_BSD, o_BSHV), {"latent": latent_BLC, "index": index + S}
