@@ -34,7 +34,9 @@ def _tiled_scores(x_BHNCK, k_BHNCK, G_BHNCK):
   B, H, N, C, K = x_BHNCK.shape
   P = C // TILE
   G_BHNPLK = G_BHNCK.reshape(B, H, N, P, TILE, K)
-  anchor_BHNPK = G_BHNPLK[..., 0, :]
+  # The anchor cancels in every product, so it carries no gradient: treating it as a constant keeps
+  # the backward pass free of cancelling rounding noise (which would leak across documents).
+  anchor_BHNPK = jax.lax.stop_gradient(G_BHNPLK[..., 0, :])
   xs_BHNPLK = x_BHNCK.reshape(B, H, N, P, TILE, K) * jnp.exp(G_BHNPLK - anchor_BHNPK[..., None, :])
   # Columns past the row tile would need e^{+5 * distance}: cut them before the exp, not after.
   visible_PC = jnp.arange(C)[None, :] < (jnp.arange(P)[:, None] + 1) * TILE
@@ -55,29 +57,52 @@ def _to_chunks(x, chunk_size: int):
   return x.reshape(B, x.shape[1], N, chunk_size, *x.shape[3:])
 
 
+def _cumsum_in_documents(g_BHNCK, reset_BNC, doc_BNC):
+  """In-chunk inclusive cumsum of g where a document that starts inside the chunk sums only its own gates.
+
+  Its rows are offset by the plain cumsum at the document start, so values match the plain cumsum
+  (monotone, as the tile bound needs), but the offset carries no gradient: it cancels in every
+  difference the document uses. The gate at a document start is irrelevant (it decays a zero state).
+  """
+  B, H, N, C, K = g_BHNCK.shape
+  G_BHNCK = jnp.cumsum(g_BHNCK, axis=-2)
+  pos_C = jnp.arange(C)
+  own_BNCC = ((doc_BNC[..., :, None] == doc_BNC[..., None, :]) & (pos_C[:, None] >= pos_C[None, :])
+              & ~reset_BNC[..., None, :])
+  own_BHNCK = jnp.einsum("bnij,bhnjk->bhnik", own_BNCC.astype(jnp.float32), g_BHNCK, precision=_HI)
+  start_BNC = jax.lax.cummax(jnp.where(reset_BNC, pos_C, 0), axis=2)
+  start_BHNCK = jnp.broadcast_to(start_BNC[:, None, :, :, None], G_BHNCK.shape)
+  offset_BHNCK = jnp.take_along_axis(G_BHNCK, start_BHNCK, axis=-2) * (doc_BNC > 0)[:, None, ..., None]
+  return jax.lax.stop_gradient(offset_BHNCK) + own_BHNCK
+
+
 @functools.partial(jax.jit, static_argnames=("chunk_size", "output_final_state"))
 def chunk_kda_xla(q, k, v, g, beta, scale, initial_state, reset_BT, *, chunk_size: int,
                   output_final_state: bool):
-  """Chunked KDA on validated inputs; `reset_BT` flags document starts after position 0."""
+  """Chunked KDA on validated inputs; `reset_BT` flags document starts after position 0 (or is None)."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
   q_BHNCK, k_BHNCK, v_BHNCV, g_BHNCK = (_to_chunks(x, C) for x in (q, k, v, g))
   b_BHNC = _to_chunks(beta, C)
   N = q_BHNCK.shape[2]
-  reset_BNC = jnp.pad(reset_BT, ((0, 0), (0, N * C - T))).reshape(B, N, C)
-
-  # doc_BNC[i] = document starts in this chunk at or before i. Rows with doc 0 continue the document
-  # the incoming state belongs to; only rows of the chunk's last document feed the outgoing state.
-  doc_BNC = jnp.cumsum(reset_BNC, axis=-1, dtype=jnp.int32)
-  same_doc_B1NCC = (doc_BNC[..., :, None] == doc_BNC[..., None, :])[:, None]
-  carried_B1NC1 = (doc_BNC == 0)[:, None, ..., None]
-  last_doc_B1NC1 = (doc_BNC == doc_BNC[..., -1:])[:, None, ..., None]
-  whole_chunk_B1N1 = (doc_BNC[..., -1] == 0)[:, None, :, None]
 
   strict_CC = jnp.tril(jnp.ones((C, C), bool), -1)
   incl_CC = jnp.tril(jnp.ones((C, C), bool))
-  G_BHNCK = jnp.cumsum(g_BHNCK, axis=-2)
+  if reset_BT is None:
+    same_doc_B1NCC, carried_B1NC1, last_doc_B1NC1, whole_chunk_B1N1 = True, 1.0, 1.0, 1.0
+    G_BHNCK = jnp.cumsum(g_BHNCK, axis=-2)
+  else:
+    reset_BNC = jnp.pad(reset_BT, ((0, 0), (0, N * C - T))).reshape(B, N, C)
+    # doc_BNC[i] = document starts in this chunk at or before i. Rows with doc 0 continue the document
+    # the incoming state belongs to; only rows of the chunk's last document feed the outgoing state.
+    doc_BNC = jnp.cumsum(reset_BNC, axis=-1, dtype=jnp.int32)
+    same_doc_B1NCC = (doc_BNC[..., :, None] == doc_BNC[..., None, :])[:, None]
+    carried_B1NC1 = (doc_BNC == 0)[:, None, ..., None]
+    last_doc_B1NC1 = (doc_BNC == doc_BNC[..., -1:])[:, None, ..., None]
+    whole_chunk_B1N1 = (doc_BNC[..., -1] == 0)[:, None, :, None]
+    G_BHNCK = _cumsum_in_documents(g_BHNCK, reset_BNC, doc_BNC)
+
   A_kk = jnp.where(strict_CC & same_doc_B1NCC,
                    b_BHNC[..., None] * _tiled_scores(k_BHNCK, k_BHNCK, G_BHNCK), 0.0)
   A_qk = jnp.where(incl_CC & same_doc_B1NCC, _tiled_scores(q_BHNCK, k_BHNCK, G_BHNCK), 0.0)

@@ -57,13 +57,13 @@ def resolve_scale(scale, K: int):
   return K**-0.5 if scale is None else scale
 
 
-def resets(segment_ids_BT, B: int, T: int):
-  """Bool [B,T]: True where a new document starts, except position 0.
+def resets(segment_ids_BT):
+  """Bool [B,T]: True where a new document starts, except position 0; None without segment ids.
 
   Position 0 always starts a document, but there the initial state applies instead of a reset,
   so it is not flagged. A document starts wherever the id changes from the previous position.
   """
   if segment_ids_BT is None:
-    return jnp.zeros((B, T), bool)
+    return None
   changed_BT = segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]
   return jnp.pad(changed_BT, ((0, 0), (1, 0)))

@@ -20,14 +20,15 @@ def _recurrent(q, k, v, g, beta, scale, initial_state, reset_BT, output_final_st
   B, T, H, K = q.shape
   V = v.shape[-1]
   f32 = lambda x: jnp.swapaxes(x.astype(jnp.float32), 0, 1)  # time first for the scan
-  xs = (f32(q), f32(k), f32(v), f32(g), f32(beta), jnp.swapaxes(reset_BT, 0, 1))
+  xs = (f32(q), f32(k), f32(v), f32(g), f32(beta), None if reset_BT is None else reset_BT.T)
   S0_BHKV = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None
              else initial_state.astype(jnp.float32))
 
   def step(S_BHKV, x):
     q_BHK, k_BHK, v_BHV, g_BHK, b_BH, reset_B = x
     # A new document forgets everything before it; the gate alone could not express that.
-    S_BHKV = jnp.where(reset_B[:, None, None, None], 0.0, S_BHKV)
+    if reset_B is not None:
+      S_BHKV = jnp.where(reset_B[:, None, None, None], 0.0, S_BHKV)
     S_BHKV = S_BHKV * jnp.exp(g_BHK)[..., None]
     pred_BHV = jnp.einsum("bhk,bhkv->bhv", k_BHK, S_BHKV, precision=_HI)
     S_BHKV = S_BHKV + jnp.einsum("bhk,bhv->bhkv", b_BH[..., None] * k_BHK, v_BHV - pred_BHV, precision=_HI)
@@ -45,7 +46,7 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
 
   Returns (o [B,T,H,V] in v's dtype, final_state [B,H,K,V] float32 or None).
   """
-  B, T, H, K, V = check_inputs(q, k, v, g, beta, initial_state, segment_ids)
+  K = check_inputs(q, k, v, g, beta, initial_state, segment_ids).K
   scale = jnp.asarray(resolve_scale(scale, K), jnp.float32)
-  return _recurrent(q, k, v, g, beta, scale, initial_state, resets(segment_ids, B, T),
+  return _recurrent(q, k, v, g, beta, scale, initial_state, resets(segment_ids),
                     bool(output_final_state))
