@@ -28,7 +28,9 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     segment_ids: optional [B,T] int. A new document starts wherever the id changes from the previous
       position. The state restarts (from zero) at every document start after position 0 and nothing
       crosses a document boundary. initial_state applies to the first document of each row only, and
-      the final state is the state at the end of the row, i.e. of its last document.
+      the final state is the state at the end of the row, i.e. of its last document. Outputs and
+      gradients of one document do not depend on any other document (cross-document gradients are
+      exact zeros, not just small).
     chunk_size: inter-chunk scan length; a positive multiple of 16 (a power of two up to 128 for the
       Pallas kernel). T need not divide by it.
     implementation: None ("pallas" on GPU, "xla" elsewhere), "xla" (chunked matmul form), "recurrent"
