@@ -1,0 +1,48 @@
+"""Dropless local dispatch: sort (token, slot) pairs by expert, grouped SiTU-GLU, un-sort, combine.
+
+The grouped matmul is `jax.lax.ragged_dot` for now (a faster kernel replaces it later). Rows past the
+sum of the group sizes come out as zeros, which the expert-parallel paths rely on for padding.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from moejax.layers.ffn import situ_glu
+
+
+def grouped_situ_glu(x_RL, group_sizes_G, w_gate_GLF, w_up_GLF, w_down_GFL, b1: float, b2: float):
+  """Row r, in group g, gets W_d[g] situ_glu(W_g[g] x_r, W_u[g] x_r). Returns float32 [R, L]."""
+  dtype = x_RL.dtype
+  gs = group_sizes_G.astype(jnp.int32)
+  rdot = lambda a, w: jax.lax.ragged_dot(a, w.astype(dtype), gs, preferred_element_type=jnp.float32)
+  h_RF = situ_glu(rdot(x_RL, w_gate_GLF), rdot(x_RL, w_up_GLF), b1, b2)
+  return rdot(h_RF.astype(dtype), w_down_GFL)
+
+
+def sort_by_expert(idx_MK, num_experts: int):
+  """Order of the flattened (token, slot) pairs grouped by expert, and the group sizes."""
+  flat_R = idx_MK.reshape(-1)
+  order_R = jnp.argsort(flat_R, stable=True).astype(jnp.int32)
+  sizes_E = jnp.bincount(flat_R, length=num_experts).astype(jnp.int32)
+  return order_R, sizes_E
+
+
+def inverse_permutation(order_R):
+  r = order_R.shape[0]
+  return jnp.zeros((r,), jnp.int32).at[order_R].set(jnp.arange(r, dtype=jnp.int32))
+
+
+def combine(y_sorted_RL, order_R, p_MK):
+  """Un-sort the expert outputs back to (token, slot) and take the p-weighted sum, in float32."""
+  m, k = p_MK.shape
+  y_MKL = y_sorted_RL[inverse_permutation(order_R)].reshape(m, k, -1).astype(jnp.float32)
+  return jnp.einsum("mkl,mk->ml", y_MKL, p_MK.astype(jnp.float32))
+
+
+def dropless_moe(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL, b1: float, b2: float):
+  """sum_k p_mk E_{idx_mk}(x_m) for every token, with every expert on this device. float32 [M, L]."""
+  k = idx_MK.shape[1]
+  order_R, sizes_E = sort_by_expert(idx_MK, w_gate_ELF.shape[0])
+  x_RL = x_ML[order_R // k]
+  y_RL = grouped_situ_glu(x_RL, sizes_E, w_gate_ELF, w_up_ELF, w_down_EFL, b1, b2)
+  return combine(y_RL, order_R, p_MK)

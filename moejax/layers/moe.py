@@ -1,0 +1,169 @@
+"""Stable LatentMoE (DESIGN §5): shared full-width experts plus routed experts in a latent width.
+
+    y = sum_s E_s(x) + W_up RMSNorm( sum_{i in topk(s + b)} p_i E_i(W_down x) )
+
+Router: s = sigmoid(x W_r) in float32; top-k of s + b, where the bias b is routing state in the
+"balance" collection (no gradient, see moejax/balance.py); p = chosen s normalised over k, times
+`routed_scaling`. Experts are SiTU-GLUs; routed ones are stacked [expert, ...] and run as one
+grouped matmul over tokens sorted by expert (moejax/layers/dispatch.py).
+
+Parallelism follows the ambient mesh (`jax.set_mesh`). When its token axes (data, fsdp, expert;
+moejax/parallel/mesh.py) split the batch, the routed part runs per shard inside jax.shard_map: load
+and aux-loss sums are psum'd, the quantile bias uses histograms summed over the token axes, and if the
+`expert` axis has size > 1 the routed experts are split over it and tokens travel by all-to-all
+(moejax/parallel/expert.py). Otherwise everything runs as plain (global-view) array code.
+
+Sown into the collection "router" (each a plain array, overwritten per call), when it is mutable:
+  load       [n] float32   tokens routed to each expert in this batch (all shards);
+  dropped    []  int32     (token, slot) pairs dropped by expert-parallel capacity (0 when local);
+  bias_next  [n] float32   balance="quantile": the bias computed from this batch, for the next one;
+  aux_loss   []  float32   balance="aux": the sequence-wise loss times aux_loss_weight (add it to the
+                           training loss; it carries the router gradient).
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+from jax.sharding import PartitionSpec as P
+
+from moejax.balance import quantile_bias
+from moejax.layers.dispatch import dropless_moe
+from moejax.layers.ffn import SiTUGLU
+from moejax.layers.router import expert_load, router_scores, select_experts, sequence_aux_loss_terms
+from moejax.nn import default_kernel_init, logical_param, rms_norm
+from moejax.parallel import mesh as meshlib
+from moejax.parallel.expert import default_exchange, expert_parallel
+
+# Stacked expert weights [expert, in, out]: fan-in is `in` alone, not expert * in.
+expert_kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", batch_axis=(0,))
+
+_WEIGHTS = ("router", "w_down", "expert_gate", "expert_up", "expert_down", "latent_norm", "w_up")
+_EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
+
+
+def _routed(w, x_BTD, segment_ids_BT, bias_E, *, cfg, stats_wanted: bool, axes: tuple[str, ...],
+            exchange: str | None):
+  """Routed half of the layer on one shard of tokens (or all of them). Returns (y_BTD, stats)."""
+  e, dtype = cfg.moe, jnp.dtype(cfg.dtype)
+  b, t, d = x_BTD.shape
+  n, k = e.num_experts, e.top_k
+  reduce = (lambda v: jax.lax.psum(v, axes)) if axes else (lambda v: v)
+  x_MD = x_BTD.reshape(b * t, d)
+
+  s_ME = router_scores(x_MD, w["router"])
+  idx_MK, p_MK = select_experts(s_ME, bias_E, k, e.routed_scaling)
+  stats = {"load": reduce(expert_load(idx_MK, n))}
+
+  h_ML = jnp.dot(x_MD, w["w_down"].astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+  experts = [w[name] for name in _EXPERT_WEIGHTS]
+  if exchange is None:
+    y_ML = dropless_moe(h_ML, idx_MK, p_MK, *experts, cfg.ffn.situ_b1, cfg.ffn.situ_b2)
+    stats["dropped"] = jnp.zeros((), jnp.int32)
+  else:
+    y_ML, dropped = expert_parallel(
+        h_ML, idx_MK, p_MK, *experts, exchange=exchange, num_experts=n,
+        capacity_factor=e.capacity_factor, b1=cfg.ffn.situ_b1, b2=cfg.ffn.situ_b2,
+        axis_name=meshlib.EXPERT_AXIS)
+    stats["dropped"] = reduce(dropped)
+  y_ML = rms_norm(y_ML, w["latent_norm"], cfg.norm_eps).astype(dtype)
+  y_MD = jnp.dot(y_ML, w["w_up"].astype(dtype), preferred_element_type=jnp.float32)
+
+  if stats_wanted and e.balance == "quantile":
+    stats["bias_next"] = quantile_bias(s_ME, k, bias_E, e.balance_iters,
+                                       bins=e.histogram_bins if axes else None, axis_name=axes or None)
+  if stats_wanted and e.balance == "aux":
+    total, docs = sequence_aux_loss_terms(s_ME, idx_MK, segment_ids_BT, k)
+    stats["aux_loss"] = e.aux_loss_weight * reduce(total) / reduce(docs)
+  return y_MD.reshape(b, t, d), stats
+
+
+class MoE(nn.Module):
+  """Stable LatentMoE FFN. `exchange` forces the expert-parallel all-to-all ("padded" or "ragged");
+  None picks it by platform (moejax.parallel.expert.default_exchange)."""
+
+  cfg: ml_collections.FrozenConfigDict
+  exchange: str | None = None
+
+  def _check_inputs(self, x_BTD, segment_ids_BT):
+    if x_BTD.ndim != 3 or x_BTD.shape[-1] != self.cfg.d_model:
+      raise ValueError(f"MoE expects x [B, T, d_model={self.cfg.d_model}], got shape {x_BTD.shape}")
+    if not jnp.issubdtype(x_BTD.dtype, jnp.floating):
+      raise ValueError(f"MoE expects a float input, got {x_BTD.dtype}")
+    if segment_ids_BT is not None and (segment_ids_BT.shape != x_BTD.shape[:2]
+                                       or not jnp.issubdtype(segment_ids_BT.dtype, jnp.integer)):
+      raise ValueError(f"segment_ids must be integer [B, T]={x_BTD.shape[:2]}, got "
+                       f"{segment_ids_BT.dtype}{segment_ids_BT.shape}")
+
+  def _weights(self):
+    cfg, e = self.cfg, self.cfg.moe
+    d, n, lat, f = cfg.d_model, e.num_experts, e.latent_dim, e.expert_hidden_dim
+    pdtype = jnp.dtype(cfg.param_dtype)
+    shapes = {
+        "router": (default_kernel_init, (d, n), ("embed", "expert")),
+        "w_down": (default_kernel_init, (d, lat), ("embed", "latent")),
+        "expert_gate": (expert_kernel_init, (n, lat, f), ("expert", "latent", "mlp")),
+        "expert_up": (expert_kernel_init, (n, lat, f), ("expert", "latent", "mlp")),
+        "expert_down": (expert_kernel_init, (n, f, lat), ("expert", "mlp", "latent")),
+        "latent_norm": (nn.initializers.ones, (lat,), ("norm",)),
+        "w_up": (default_kernel_init, (lat, d), ("latent", "embed")),
+    }
+    return {name: logical_param(self, name, init, shape, axes, pdtype)
+            for name, (init, shape, axes) in shapes.items()}
+
+  @nn.compact
+  def __call__(self, x_BTD, segment_ids_BT=None):
+    self._check_inputs(x_BTD, segment_ids_BT)
+    cfg, e = self.cfg, self.cfg.moe
+    dtype = jnp.dtype(cfg.dtype)
+    n = e.num_experts
+    if not self.is_mutable_collection("balance") and not self.has_variable("balance", "bias"):
+      raise ValueError("MoE needs its routing state: apply the model with variables "
+                       "{'params': ..., 'balance': ...} as returned by init")
+    bias = self.variable("balance", "bias", jnp.zeros, (n,), jnp.float32)
+    self.variable("balance", "load_total", jnp.zeros, (n,), jnp.float32)
+    x_BTD = x_BTD.astype(dtype)
+
+    y_BTD = jnp.zeros(x_BTD.shape, jnp.float32)
+    for i in range(e.num_shared):
+      y_BTD = y_BTD + SiTUGLU(e.shared_hidden_dim, cfg.ffn.situ_b1, cfg.ffn.situ_b2, dtype=dtype,
+                              param_dtype=jnp.dtype(cfg.param_dtype), name=f"shared_{i}")(x_BTD)
+
+    w = self._weights()
+    if segment_ids_BT is None:
+      segment_ids_BT = jnp.zeros(x_BTD.shape[:2], jnp.int32)
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = meshlib.token_axes(mesh) if meshlib.token_shards(mesh) > 1 else ()
+    ep = meshlib.axis_size(mesh, meshlib.EXPERT_AXIS) > 1
+    exchange = (self.exchange or default_exchange()) if ep else None
+    fn = functools.partial(_routed, cfg=cfg, stats_wanted=self.is_mutable_collection("router"),
+                           axes=axes, exchange=exchange)
+    if axes:
+      fn = self._shard_mapped(fn, w, x_BTD, segment_ids_BT, axes, ep, meshlib.token_shards(mesh))
+    routed_BTD, stats = fn(w, x_BTD, segment_ids_BT, bias.value)
+    for name, value in stats.items():
+      self.sow("router", name, value, init_fn=lambda: None, reduce_fn=lambda _, new: new)
+    return (y_BTD + routed_BTD).astype(dtype)
+
+  def _shard_mapped(self, fn, w, x_BTD, segment_ids_BT, axes, ep, shards):
+    """Wraps fn in shard_map over the ambient mesh, with its inputs moved to the matching specs."""
+    if x_BTD.shape[0] % shards:
+      raise ValueError(f"batch size {x_BTD.shape[0]} is not divisible by the {shards} token shards "
+                       f"of mesh axes {axes}")
+    experts = meshlib.axis_size(jax.sharding.get_abstract_mesh(), meshlib.EXPERT_AXIS)
+    if ep and self.cfg.moe.num_experts % experts:
+      raise ValueError(f"moe.num_experts={self.cfg.moe.num_experts} is not divisible by the expert "
+                       f"mesh axis size {experts}")
+    w_specs = {name: P(meshlib.EXPERT_AXIS) if ep and name in _EXPERT_WEIGHTS else P() for name in w}
+    in_specs = (w_specs, P(axes), P(axes), P())
+    out_specs = (P(axes), P())
+    mapped = jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs)
+
+    def call(w, x_BTD, segment_ids_BT, bias_E):
+      args = jax.tree.map(lambda spec, a: meshlib.constrain(a, spec), in_specs,
+                          (w, x_BTD, segment_ids_BT, bias_E), is_leaf=lambda s: isinstance(s, P))
+      return mapped(*args)
+
+    return call

@@ -1,0 +1,1 @@
+"""Device meshes, sharding rules and expert-parallel dispatch."""

@@ -1,0 +1,233 @@
+"""Expert parallelism on 8 CPU devices: both exchanges against the dropless single-device layer.
+
+The ragged exchange cannot run on XLA:CPU; its bookkeeping runs here with an emulation of
+jax.lax.ragged_all_to_all built from all_gather, and the real op is checked to lower.
+"""
+
+import functools
+import math
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from moejax.config import base_config
+from moejax.layers.dispatch import dropless_moe
+from moejax.layers.moe import MoE
+from moejax.parallel import expert as ep
+from moejax.parallel import mesh as meshlib
+
+AXES = ("data", "expert")
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name):
+  """jax.lax.ragged_all_to_all semantics from all_gather: every output row looks up its sender."""
+  del recv_sizes  # implied by the senders' sizes
+  parts, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+  per = input_offsets.shape[0] // parts
+  gather = functools.partial(jax.lax.all_gather, axis_name=axis_name)
+  ops = gather(operand)
+  mine = me * per + jnp.arange(per)
+  ins, sizes, outs = (gather(a)[:, mine] for a in (input_offsets, send_sizes, output_offsets))
+  rows = jnp.arange(output.shape[0])
+  hit = ((rows[:, None, None] >= outs) & (rows[:, None, None] < outs + sizes)).reshape(len(rows), -1)
+  which = jnp.argmax(hit, axis=1)
+  src, slot = which // per, which % per
+  src_row = jnp.clip(ins[src, slot] + rows - outs[src, slot], 0, operand.shape[0] - 1)
+  return jnp.where(hit.any(axis=1)[:, None], ops[src, src_row], output)
+
+
+def skewed_routing(rng, m, n, k):
+  probs = np.exp(1.5 * rng.standard_normal(n))
+  probs /= probs.sum()
+  return np.stack([rng.choice(n, k, replace=False, p=probs) for _ in range(m)]).astype(np.int32)
+
+
+def expected_keep(idx, shards, parts, n, cf, exchange):
+  """Which (token, slot) pairs each exchange keeps, by direct counting in numpy."""
+  m, k = idx.shape
+  e_loc, rows = n // parts, (m // shards) * k
+  pairs = idx.reshape(shards, rows)  # shard i = data group i // parts, expert rank i % parts
+  keep = np.zeros((shards, rows), bool)
+  if exchange == "padded":
+    cap = math.ceil(cf * rows / parts)
+    for i in range(shards):
+      for owner in range(parts):
+        mine = [r for r in np.argsort(pairs[i], kind="stable") if pairs[i, r] // e_loc == owner]
+        keep[i, mine[:cap]] = True
+  else:
+    buffer_rows = min(parts * rows, math.ceil(cf * rows))
+    for group in range(shards // parts):
+      for owner in range(parts):
+        offset = 0
+        for e in range(owner * e_loc, (owner + 1) * e_loc):
+          for s in range(parts):
+            for r in np.flatnonzero(pairs[group * parts + s] == e):
+              keep[group * parts + s, r] = offset < buffer_rows
+              offset += 1
+  return keep.reshape(m, k)
+
+
+def run_exchange(exchange, x, idx, p, weights, n, cf):
+  """y and dropped from the expert-parallel function on a 2 x 4 (data x expert) mesh."""
+  impl = {"padded": ep.padded_expert_parallel,
+          "ragged": functools.partial(ep.ragged_expert_parallel, exchange=emulated_ragged_all_to_all)}
+  fn = functools.partial(impl[exchange], num_experts=n, capacity_factor=cf, b1=4.0, b2=25.0)
+
+  def per_shard(x, idx, p, *w):
+    y, dropped = fn(x, idx, p, *w)
+    return y, jax.lax.psum(dropped, AXES)
+
+  mapped = jax.shard_map(per_shard, in_specs=(P(AXES),) * 3 + (P("expert"),) * 3, out_specs=(P(AXES), P()))
+
+  @jax.jit
+  def run(x, p, w, idx):
+    specs = (P(AXES),) * 3 + (P("expert"),) * 3
+    (y, dropped), vjp = jax.vjp(lambda x, p, w: mapped(*jax.tree.map(jax.reshard, (x, idx, p, *w), specs)),
+                                x, p, w)
+    return y, dropped, vjp((jnp.ones_like(y) * jnp.arange(y.shape[1]), jnp.zeros_like(dropped)))
+
+  with jax.set_mesh(meshlib.make_mesh(data=2, expert=4)):
+    return run(x, p, weights, idx)
+
+
+@pytest.mark.parametrize("exchange", ["padded", "ragged"])
+@pytest.mark.parametrize("cf", [4.0, 0.75])
+def test_exchange_matches_dropless_reference(exchange, cf):
+  """cf = 4 = P is dropless; cf = 0.75 drops exactly the pairs that overflow, and counts them."""
+  rng = np.random.default_rng(0)
+  m, k, n, lat, f = 64, 3, 8, 6, 5
+  idx = skewed_routing(rng, m, n, k)
+  x = jnp.asarray(rng.standard_normal((m, lat)), jnp.float32)
+  p = jnp.asarray(rng.uniform(0.1, 1.0, (m, k)), jnp.float32)
+  weights = tuple(jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.float32)
+                  for s in ((n, lat, f), (n, lat, f), (n, f, lat)))
+  keep = expected_keep(idx, 8, 4, n, cf, exchange)
+  assert keep.all() == (cf == 4.0)
+
+  y, dropped, grads = run_exchange(exchange, x, jnp.asarray(idx), p, weights, n, cf)
+
+  def reference(x, p, w):
+    return dropless_moe(x, jnp.asarray(idx), p * keep, *w, 4.0, 25.0)
+
+  y_ref, vjp = jax.vjp(reference, x, p, weights)
+  assert int(dropped) == int((~keep).sum())
+  chex.assert_trees_all_close(y, y_ref, atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_close(grads, vjp(jnp.ones_like(y_ref) * jnp.arange(lat)), atol=1e-5, rtol=1e-4)
+
+
+def ep_cfg(**moe):
+  c = base_config().model
+  c.d_model = 16
+  c.moe.update(dict(num_experts=16, top_k=3, num_shared=1, shared_hidden_dim=8, latent_dim=8,
+                    expert_hidden_dim=6, capacity_factor=8.0, balance="quantile"))
+  c.moe.update(moe)
+  return ml_collections.FrozenConfigDict(c)
+
+
+def layer_setup(cfg, batch=8, seq=4):
+  rng = np.random.default_rng(1)
+  model = MoE(cfg)
+  x = jnp.asarray(rng.standard_normal((batch, seq, cfg.d_model)), jnp.float32)
+  abstract = jax.eval_shape(model.init, jax.random.key(0), x)
+  params = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape) / np.sqrt(a.shape[-2]), a.dtype)
+                        if a.ndim > 1 else jnp.ones(a.shape, a.dtype), nn.unbox(abstract["params"]))
+  balance = {"bias": jnp.asarray(0.2 * rng.standard_normal(cfg.moe.num_experts), jnp.float32),
+             "load_total": jnp.zeros((cfg.moe.num_experts,), jnp.float32)}
+  return model, x, params, balance
+
+
+def layer_fwd_bwd(model, params, balance, x):
+  """y, the sown stats, and the gradients of sum(y * ct) with respect to params and x."""
+
+  @jax.jit
+  def run(params, x):
+    def loss(params, x):
+      y, stats = model.apply({"params": params, "balance": balance}, x, mutable=("router",))
+      ct = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
+      return jnp.sum(y * ct), (y, stats["router"])
+
+    (_, (y, stats)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+    return y, stats, grads
+
+  return run(params, x)
+
+
+@pytest.fixture(scope="module")
+def single_device():
+  cfg = ep_cfg()
+  model, x, params, balance = layer_setup(cfg)
+  return cfg, model, x, params, balance, layer_fwd_bwd(model, params, balance, x)
+
+
+@pytest.mark.parametrize("shape", [dict(expert=8), dict(data=2, expert=4)])
+def test_layer_on_mesh_equals_single_device(single_device, shape):
+  cfg, model, x, params, balance, (y0, stats0, grads0) = single_device
+  with jax.set_mesh(meshlib.make_mesh(**shape)):
+    y, stats, grads = layer_fwd_bwd(model, params, balance, x)
+  assert y.sharding.spec[0] == ("data", "fsdp", "expert")
+  chex.assert_trees_all_close(y, y0, atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_close(grads, grads0, atol=1e-5, rtol=1e-4)
+  np.testing.assert_array_equal(stats["load"], stats0["load"])
+  assert int(stats["dropped"]) == 0
+  # The histogram quantile (psum'd bins) and the exact one may pick different points in the gap
+  # between two margins; both are mean-zero and close.
+  assert abs(float(stats["bias_next"].mean())) < 1e-5
+  chex.assert_trees_all_close(stats["bias_next"], stats0["bias_next"], atol=0.05)
+
+
+def test_layer_counts_dropped_pairs():
+  cfg = ep_cfg(capacity_factor=0.5, balance="none")
+  model, x, params, balance = layer_setup(cfg)
+  with jax.set_mesh(meshlib.make_mesh(expert=8)):
+    _, stats = jax.jit(model.apply, static_argnames="mutable")(
+        {"params": params, "balance": balance}, x, mutable=("router",))
+  assert int(stats["router"]["dropped"]) > 0
+
+
+def test_ragged_layer_lowers_on_cpu():
+  """The GPU path traces and lowers (forward and backward) with the real ragged_all_to_all."""
+  cfg = ep_cfg()
+  model, x, params, balance = layer_setup(cfg)
+  model = MoE(cfg, exchange="ragged")
+
+  def loss(params, x):
+    return jnp.sum(model.apply({"params": params, "balance": balance}, x) ** 2)
+
+  with jax.set_mesh(meshlib.make_mesh(data=2, expert=4)):
+    text = jax.jit(jax.grad(loss)).lower(params, x).as_text()
+  assert text.count("ragged_all_to_all") >= 4  # two exchanges, and their transposes
+
+
+def test_mesh_helpers_and_errors():
+  mesh = meshlib.make_mesh(data=2, expert=4)
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
+  assert meshlib.token_axes(mesh) == ("data", "fsdp", "expert") and meshlib.token_shards(mesh) == 8
+  with pytest.raises(ValueError, match="needs 16 devices"):
+    meshlib.make_mesh(data=4, expert=4)
+  with pytest.raises(ValueError, match="positive integer"):
+    meshlib.make_mesh(data=0)
+  assert meshlib.logical_spec(("expert", "latent", "mlp")) == P("expert", None, "tensor")
+  assert meshlib.logical_spec(("batch", None)) == P(("data", "fsdp", "expert"), None)
+  with pytest.raises(ValueError, match="no rule"):
+    meshlib.logical_spec(("nonsense",))
+
+  cfg = ep_cfg()
+  model = MoE(cfg)
+  x = jax.ShapeDtypeStruct((8, 4, cfg.d_model), jnp.float32)
+  shardings = meshlib.param_shardings(jax.eval_shape(model.init, jax.random.key(0), x)["params"], mesh)
+  assert shardings["expert_gate"].spec == P("expert", None, "tensor")
+  assert shardings["router"].spec == P("fsdp", "expert")
+
+  bad = ep_cfg(num_experts=12)
+  model, x, params, balance = layer_setup(bad)
+  with jax.set_mesh(meshlib.make_mesh(expert=8)), pytest.raises(ValueError, match="not divisible by"):
+    model.apply({"params": params, "balance": balance}, x)
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="batch size 4"):
+    model.apply({"params": params, "balance": balance}, x[:4])

@@ -1,0 +1,205 @@
+"""The MoE layer against a per-token loop over the chosen experts, its sown stats and its errors."""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from moejax.config import base_config
+from moejax.layers.moe import MoE
+from moejax.layers.router import segment_index
+
+B, T = 2, 8
+
+
+def small_cfg(**moe):
+  c = base_config().model
+  c.d_model = 16
+  c.moe.update(dict(num_experts=8, top_k=3, num_shared=2, shared_hidden_dim=12, latent_dim=8,
+                    expert_hidden_dim=10, routed_scaling=2.5))
+  c.moe.update(moe)
+  return ml_collections.FrozenConfigDict(c)
+
+
+def situ(g, u, b1=4.0, b2=25.0):
+  return b1 * jnp.tanh(g / b1) * (1 / (1 + jnp.exp(-g))) * b2 * jnp.tanh(u / b2)
+
+
+def chosen_experts(params, bias, x_MD, k):
+  """Top-k of sigmoid(x W_r) + bias, in float64 numpy."""
+  logits = np.asarray(x_MD, np.float64) @ np.asarray(params["router"], np.float64)
+  s = 1 / (1 + np.exp(-logits)) + np.asarray(bias, np.float64)
+  return np.argsort(-s, axis=1)[:, :k]
+
+
+def reference(params, x_MD, chosen, cfg):
+  """The layer for one token at a time (vmapped), with a loop over that token's chosen experts."""
+  hi = jax.lax.Precision.HIGHEST
+  dot = lambda a, b: jnp.dot(a, b, precision=hi)
+
+  def one_token(x, chosen_k):
+    y = sum(dot(situ(dot(x, params[f"shared_{i}"]["gate"]["kernel"]),
+                     dot(x, params[f"shared_{i}"]["up"]["kernel"])), params[f"shared_{i}"]["down"]["kernel"])
+            for i in range(cfg.moe.num_shared))
+    s = 1 / (1 + jnp.exp(-dot(x, params["router"])))
+    w = s[chosen_k] / jnp.sum(s[chosen_k]) * cfg.moe.routed_scaling
+    h = dot(x, params["w_down"])
+    mix = 0.0
+    for j in range(chosen_k.shape[0]):
+      e = chosen_k[j]
+      mix = mix + w[j] * dot(situ(dot(h, params["expert_gate"][e]), dot(h, params["expert_up"][e])),
+                             params["expert_down"][e])
+    mix = mix / jnp.sqrt(jnp.mean(mix * mix) + cfg.norm_eps) * params["latent_norm"]
+    return y + dot(mix, params["w_up"])
+
+  return jax.vmap(one_token)(x_MD, jnp.asarray(chosen))
+
+
+def normal(seed, shape):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def random_variables(model, x, seed):
+  """Params with the layer's shapes, drawn with numpy: compiling the layer's init (its PRNG) on
+  XLA:CPU takes far longer than the tests themselves."""
+  abstract = jax.eval_shape(model.init, jax.random.key(0), x)
+  rng = np.random.default_rng(seed)
+
+  def draw(a):
+    if a.ndim == 1:  # norm scales
+      return jnp.asarray(1 + 0.1 * rng.standard_normal(a.shape), a.dtype)
+    return jnp.asarray(rng.standard_normal(a.shape) / np.sqrt(a.shape[-2]), a.dtype)
+
+  params = jax.tree.map(draw, nn.unbox(abstract["params"]))
+  balance = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract["balance"])
+  return params, balance
+
+
+@pytest.fixture(scope="module")
+def setup():
+  cfg = small_cfg()
+  model = MoE(cfg)
+  x = normal(0, (B, T, cfg.d_model))
+  params, balance = random_variables(model, x, 1)
+  balance["bias"] = 0.3 * normal(2, (cfg.moe.num_experts,))
+  return cfg, model, x, params, balance
+
+
+def test_params_and_state_layout(setup):
+  cfg, _, _, params, balance = setup
+  e = cfg.moe
+  shapes = {k: v.shape for k, v in params.items() if not k.startswith("shared")}
+  assert shapes == {"router": (16, 8), "w_down": (16, 8), "expert_gate": (8, 8, 10), "expert_up": (8, 8, 10),
+                    "expert_down": (8, 10, 8), "latent_norm": (8,), "w_up": (8, 16)}
+  assert sorted(k for k in params if k.startswith("shared")) == [f"shared_{i}" for i in range(e.num_shared)]
+  assert set(balance) == {"bias", "load_total"}
+
+
+def test_matches_per_token_loop_with_gradients(setup):
+  cfg, model, x, params, balance = setup
+  x_MD = x.reshape(B * T, -1)
+  chosen = chosen_experts(params, balance["bias"], x_MD, cfg.moe.top_k)
+  cot = normal(3, x.shape)
+
+  def layer_loss(p, x):
+    return jnp.sum(model.apply({"params": p, "balance": balance}, x) * cot)
+
+  def ref_loss(p, x):
+    return jnp.sum(reference(p, x.reshape(B * T, -1), chosen, cfg).reshape(x.shape) * cot)
+
+  y = jax.jit(model.apply)({"params": params, "balance": balance}, x)
+  y_ref = jax.jit(lambda p, x: reference(p, x, chosen, cfg))(params, x_MD)
+  chex.assert_trees_all_close(y, y_ref.reshape(x.shape), atol=1e-5, rtol=1e-5)
+  grads = jax.jit(jax.grad(layer_loss, argnums=(0, 1)))(params, x)
+  ref_grads = jax.jit(jax.grad(ref_loss, argnums=(0, 1)))(params, x)
+  chex.assert_trees_all_close(grads, ref_grads, atol=1e-5, rtol=1e-4)
+  assert float(jnp.abs(grads[0]["router"]).max()) > 0  # the router learns through the weights
+
+
+def test_sown_stats_and_bias_has_no_gradient(setup):
+  cfg, model, x, params, balance = setup
+  apply = jax.jit(model.apply, static_argnames="mutable")
+  y_sown, stats = apply({"params": params, "balance": balance}, x, mutable=("router",))
+  stats = stats["router"]
+  chosen = chosen_experts(params, balance["bias"], x.reshape(B * T, -1), cfg.moe.top_k)
+  assert all(len(set(row)) == cfg.moe.top_k for row in chosen.tolist())
+  np.testing.assert_array_equal(stats["load"], np.bincount(chosen.ravel(), minlength=cfg.moe.num_experts))
+  assert float(stats["load"].sum()) == B * T * cfg.moe.top_k
+  assert int(stats["dropped"]) == 0
+  assert stats["bias_next"].shape == (cfg.moe.num_experts,)
+  assert abs(float(stats["bias_next"].mean())) < 1e-6
+
+  grad_bias = jax.jit(jax.grad(lambda b: jnp.sum(model.apply({"params": params, "balance": b}, x))))(balance)
+  chex.assert_trees_all_equal(grad_bias, jax.tree.map(jnp.zeros_like, balance))
+  # Without a mutable "router" collection nothing is sown and the quantile work is skipped.
+  chex.assert_trees_all_close(apply({"params": params, "balance": balance}, x), y_sown)
+
+
+def aux_reference(s_MN, chosen, seg_BT, k):
+  """DeepSeek-V3 sequence-wise loss, averaged over documents, by explicit loops in numpy."""
+  n = s_MN.shape[1]
+  s = np.asarray(s_MN, np.float64).reshape(*seg_BT.shape, n)
+  c = chosen.reshape(*seg_BT.shape, k)
+  losses = []
+  for b in range(seg_BT.shape[0]):
+    starts = [0] + [t for t in range(1, seg_BT.shape[1]) if seg_BT[b, t] != seg_BT[b, t - 1]]
+    for lo, hi in zip(starts, starts[1:] + [seg_BT.shape[1]], strict=True):
+      f = np.bincount(c[b, lo:hi].ravel(), minlength=n) * n / (k * (hi - lo))
+      p = (s[b, lo:hi] / s[b, lo:hi].sum(-1, keepdims=True)).mean(0)
+      losses.append(np.sum(f * p))
+  return np.mean(losses)
+
+
+def test_sequence_aux_loss():
+  cfg = small_cfg(balance="aux", aux_loss_weight=0.01)
+  model = MoE(cfg)
+  x = normal(4, (B, T, cfg.d_model))
+  seg = jnp.array([[0, 0, 0, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5]], jnp.int32)
+  np.testing.assert_array_equal(segment_index(seg), [[0, 0, 0, 1, 1, 2, 2, 2], [0] * 8])
+  params, balance = random_variables(model, x, 5)
+  _, stats = jax.jit(model.apply, static_argnames="mutable")(
+      {"params": params, "balance": balance}, x, seg, mutable=("router",))
+  x_MD = x.reshape(B * T, -1)
+  s = jax.nn.sigmoid(x_MD @ params["router"])
+  chosen = chosen_experts(params, balance["bias"], x_MD, cfg.moe.top_k)
+  expected = 0.01 * aux_reference(s, chosen, np.asarray(seg), cfg.moe.top_k)
+  np.testing.assert_allclose(stats["router"]["aux_loss"], expected, rtol=1e-5)
+  assert "bias_next" not in stats["router"]
+
+  def aux(p):
+    _, stats = model.apply({"params": p, "balance": balance}, x, seg, mutable=("router",))
+    return stats["router"]["aux_loss"]
+
+  g = jax.jit(jax.grad(aux))(params)
+  assert float(jnp.abs(g["router"]).max()) > 0
+  assert float(jnp.abs(g["w_up"]).max()) == 0
+
+
+def test_bfloat16_compute():
+  c = base_config().model
+  c.dtype = "bfloat16"
+  cfg = ml_collections.FrozenConfigDict(c)
+  model = MoE(cfg)
+  x = normal(6, (B, T, cfg.d_model))
+  params, balance = random_variables(model, x, 7)
+  y, stats = jax.jit(model.apply, static_argnames="mutable")({"params": params, "balance": balance}, x,
+                                                            mutable=("router",))
+  assert y.dtype == jnp.bfloat16 and y.shape == x.shape
+  assert stats["router"]["load"].dtype == jnp.float32
+  assert bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
+
+
+def test_rejects_bad_input(setup):
+  cfg, model, x, params, balance = setup
+  variables = {"params": params, "balance": balance}
+  with pytest.raises(ValueError, match="d_model"):
+    model.apply(variables, x[..., :-1])
+  with pytest.raises(ValueError, match="float"):
+    model.apply(variables, x.astype(jnp.int32))
+  with pytest.raises(ValueError, match="segment_ids"):
+    model.apply(variables, x, jnp.zeros((B, T + 1), jnp.int32))
+  with pytest.raises(ValueError, match="routing state"):
+    model.apply({"params": params}, x)
