@@ -123,6 +123,7 @@ class GatedMLA(nn.Module):
     # offsets are not reachable through jax.nn.dot_product_attention. XLA ANDs the mask with the
     # causal mask; cuDNN turns it into an additive bias (T^2 per row, fine up to a few 10K tokens)
     # and still skips the upper triangle. Every query sees itself, so no row is fully masked.
+    # Checked on the H200 (bf16, T=1024, 3 documents): cuDNN matches XLA to bf16 rounding, grads too.
     mask_B1TT = None
     if segment_ids_BT is not None:
       check_segment_ids(segment_ids_BT, B, T)
