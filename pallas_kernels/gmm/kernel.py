@@ -135,10 +135,7 @@ def _tgmm_kernel(order_ref, start_ref, end_ref, lhs_ref, dy_ref, out_ref, *, til
   acc = lax.fori_loop(0, (end - start + bm - 1) // bm, body, jnp.zeros((bk, bn), _F32))
   out_mask = _mask_and(None if k_in is None else (ks < k)[:, None], n_in)
   out_at = out_ref.at[g, pl.ds(kt * bk, bk), pl.ds(nt * bn, bn)]
-  if out_mask is None:
-    out_at[...] = acc.astype(out_ref.dtype)
-  else:
-    pltriton.store(out_at, acc.astype(out_ref.dtype), mask=out_mask)
+  pltriton.store(out_at, acc.astype(out_ref.dtype), mask=out_mask)
 
 
 def tgmm_pallas(lhs_MK, dy_MN, group_sizes_G, *, tile: Tile, out_dtype, interpret=False):

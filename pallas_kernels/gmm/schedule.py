@@ -42,7 +42,9 @@ def row_tile_visits(group_sizes_G, m: int, bm: int) -> Visits:
   count_S = jnp.where(seg_end_S > seg_start_S, (seg_end_S - 1) // bm - first_S + 1, 0)
   visits_end_S = jnp.cumsum(count_S)
   v_V = jnp.arange(num_visits(m, g, bm), dtype=jnp.int32)
-  seg_V = jnp.minimum(jnp.searchsorted(visits_end_S, v_V, side="right"), g).astype(jnp.int32)
+  # compare_all is one fused kernel; the default binary search is a loop of tiny launches on GPU.
+  seg_V = jnp.minimum(jnp.searchsorted(visits_end_S, v_V, side="right", method="compare_all"),
+                      g).astype(jnp.int32)
   tile_V = first_S[seg_V] + v_V - (visits_end_S - count_S)[seg_V]
   used_V = v_V < visits_end_S[-1]
   lo_V = jnp.maximum(seg_start_S[seg_V], tile_V * bm)

@@ -1,0 +1,289 @@
+"""Grouped matmul on one GPU: ours (Pallas/Triton) vs jax.lax.ragged_dot vs tokamax's ragged_dot.
+
+    python3 benchmarks/gmm.py            # GPU: checks, tile sweep, timings; writes BENCHMARKS.md
+    python3 benchmarks/gmm.py --smoke    # CPU: tiny shapes in interpret mode, prints only
+
+Group sizes are Zipf-skewed (seeded; every 16th group empty) and sum to M. FLOPs: 2*M*K*N forward,
+three times that for forward + both gradients. Each figure is the median over timed batches after a
+warm-up, every batch ending in block_until_ready. Correctness against ragged_dot is checked on the
+device before anything is timed.
+"""
+
+import argparse
+import functools
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pallas_kernels.gmm import DEFAULT_TILING, Tile, Tiling, gmm  # noqa: E402
+from pallas_kernels.gmm.kernel import gmm_pallas, tgmm_pallas  # noqa: E402
+
+SHAPES = [(64, 65536, 2048, 1024), (256, 65536, 1024, 512)]          # G, M, K, N
+SMOKE_SHAPES = [(4, 200, 64, 32), (8, 256, 32, 64)]
+# Candidate tiles (bm, bk, bn, warps, stages); forward and dlhs share the list.
+MM_TILES = [(128, 64, 128, 4, 4), (128, 64, 256, 8, 3), (64, 64, 128, 4, 4), (64, 64, 256, 4, 3),
+            (128, 128, 128, 8, 3)]
+T_TILES = [(64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3), (32, 128, 128, 4, 4),
+           (64, 128, 256, 8, 3)]
+SMOKE_TILES = [(16, 16, 16, 4, 2), (32, 16, 32, 4, 2)]
+SECTION = "## Grouped matmul"
+TOL = 2e-2
+
+
+def zipf_group_sizes(g, m, seed=0, exponent=1.0):
+  """Multinomial draw of m rows over g groups with Zipf weights on a seeded random rank order."""
+  rng = np.random.default_rng(seed)
+  p = 1.0 / np.arange(1, g + 1) ** exponent
+  p = p[rng.permutation(g)]
+  p[::16] = 0.0
+  return rng.multinomial(m, p / p.sum()).astype(np.int32)
+
+
+def bench(f, *args, reps=15, batch_s=0.01, max_inner=20):
+  """Median seconds per call. Calls are queued back to back in batches; max_inner bounds how many
+  outputs are alive at once."""
+  jax.block_until_ready(f(*args))
+  t0 = time.perf_counter()
+  jax.block_until_ready(f(*args))
+  inner = max(1, min(max_inner, int(batch_s / max(time.perf_counter() - t0, 1e-6))))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(inner):
+      out = f(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / inner)
+  return statistics.median(times)
+
+
+def rel_err(a, b):
+  a, b = (np.asarray(x, np.float32) for x in (a, b))
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def fwd_fn(op):
+  return jax.jit(lambda x, w, gs: op(x, w, gs))
+
+
+def fwd_bwd_fn(op):
+  def f(x, w, gs, dy):
+    y, vjp = jax.vjp(lambda a, b: op(a, b, gs), x, w)
+    return (y, *vjp(dy))
+  return jax.jit(f)
+
+
+def load_tokamax(smoke):
+  """(label, op) for tokamax's ragged_dot, or (why not, None)."""
+  try:
+    import tokamax
+  except Exception as e:  # noqa: BLE001 - any import failure means "not measured", with the reason
+    return f"tokamax not importable ({type(e).__name__}: {e})", None
+  impl = "xla" if smoke else "mosaic"
+  label = f"tokamax {tokamax.__version__} ({'mosaic_gpu' if impl == 'mosaic' else 'xla, smoke only'})"
+  return label, lambda x, w, gs: tokamax.ragged_dot(x, w, gs, implementation=impl)
+
+
+def make_inputs(g, m, k, n, dtype, seed=0, sizes=None):
+  key = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(key[0], (m, k), dtype)
+  w = (jax.random.normal(key[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+  dy = jax.random.normal(key[2], (m, n), dtype)
+  gs = jnp.asarray(zipf_group_sizes(g, m, seed) if sizes is None else sizes, jnp.int32)
+  return x, w, gs, dy
+
+
+def check(op, ref, args):
+  """Worst relative error over the output and both gradients, op vs ref."""
+  got, want = fwd_bwd_fn(op)(*args), fwd_bwd_fn(ref)(*args)
+  return max(rel_err(a, b) for a, b in zip(got, want, strict=True))
+
+
+def sweep(kernel_of_tile, tiles, args, log):
+  """Time one kernel, kernel_of_tile(tile)(*args), over the candidate tiles; returns (best Tile, s)."""
+  best = None
+  for t in tiles:
+    tile = Tile(*t)
+    try:
+      s = bench(jax.jit(kernel_of_tile(tile)), *args)
+    except Exception as e:  # noqa: BLE001 - a tile that fails to compile is skipped, and said so
+      log(f"    {t}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+      continue
+    log(f"    {t}: {s * 1e3:.3f} ms")
+    if best is None or s < best[1]:
+      best = (tile, s)
+  if best is None:
+    raise RuntimeError("no candidate tile compiled")
+  return best
+
+
+def tune(args, tiles, t_tiles, interpret, log):
+  """Best tile of each kernel alone. The arrays go in as arguments: closed over, jit would embed them."""
+  dt = args[0].dtype
+  log("  forward tiles:")
+  fwd = sweep(lambda t: lambda x, w, gs, dy: gmm_pallas(x, w, gs, tile=t, out_dtype=dt, interpret=interpret),
+              tiles, args, log)
+  log("  dlhs tiles:")
+  dlhs = sweep(lambda t: lambda x, w, gs, dy: gmm_pallas(dy, w, gs, tile=t, out_dtype=dt, transpose_rhs=True,
+                                                         interpret=interpret), tiles, args, log)
+  log("  drhs tiles:")
+  drhs = sweep(lambda t: lambda x, w, gs, dy: tgmm_pallas(x, dy, gs, tile=t, out_dtype=dt,
+                                                          interpret=interpret), t_tiles, args, log)
+  return Tiling(fwd=fwd[0], dlhs=dlhs[0], drhs=drhs[0]), (fwd[1], dlhs[1], drhs[1])
+
+
+def fmt_tile(t):
+  return f"{t.bm}x{t.bk}x{t.bn} w{t.num_warps} s{t.num_stages}"
+
+
+def run(args):
+  lines, log = [], functools.partial(print, flush=True)
+  smoke = args.smoke
+  ours_impl = "interpret" if smoke else "pallas"
+  dev = jax.devices()[0]
+  if not smoke and dev.platform != "gpu":
+    sys.exit(f"benchmarks/gmm.py needs a GPU (found {dev.platform}); use --smoke on CPU")
+  tk_label, tk_op = load_tokamax(smoke)
+  xla = lambda x, w, gs: gmm(x, w, gs, implementation="xla")
+  ours = lambda tiling: (lambda x, w, gs: gmm(x, w, gs, tiling=tiling, implementation=ours_impl))
+  failures = []
+
+  # Odd shapes first: masked rows/columns/contraction, empty groups and a zero tail, bf16 and float32.
+  log("== correctness on the device (ours vs jax.lax.ragged_dot, worst rel err of y, dlhs, drhs)")
+  lines += ["Checks on the device, ours vs `jax.lax.ragged_dot` (worst relative error over y, dlhs, drhs):",
+            "", "| case | rel err | ok |", "|---|---|---|"]
+  odd = [("M=1000 K=320 N=200 G=7, sum<M, empty groups, bf16", (7, 1000, 320, 200), jnp.bfloat16,
+          [0, 310, 5, 0, 400, 1, 200]),
+         ("M=300 K=96 N=80 G=3, float32", (3, 300, 96, 80), jnp.float32, [100, 0, 150])]
+  shapes = SMOKE_SHAPES if smoke else SHAPES
+  for g, m, k, n in shapes:
+    odd.append((f"G={g} M={m} K={k} N={n} Zipf, bf16", (g, m, k, n), jnp.bfloat16, None))
+  for name, (g, m, k, n), dt, sizes in odd:
+    err = check(ours(None), xla, make_inputs(g, m, k, n, dt, seed=1, sizes=sizes))
+    ok = err < TOL
+    failures += [] if ok else [name]
+    log(f"  {name}: {err:.2e} {'ok' if ok else 'FAIL'}")
+    lines.append(f"| {name} | {err:.2e} | {'yes' if ok else '**NO**'} |")
+  if tk_op is not None:
+    g, m, k, n = shapes[0]
+    err = check(tk_op, xla, make_inputs(g, m, k, n, jnp.bfloat16, seed=1))
+    lines.append(f"| {tk_label}, G={g} M={m} K={k} N={n} | {err:.2e} | {'yes' if err < TOL else '**NO**'} |")
+    log(f"  {tk_label}: {err:.2e}")
+
+  lines += ["", "| G | M | K | N | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |",
+            "|---|---|---|---|---|---|---|---|---|"]
+  ratio_lines, tile_lines = [], []
+  for g, m, k, n in shapes:
+    x, w, gs, dy = make_inputs(g, m, k, n, jnp.bfloat16)
+    sizes = np.asarray(gs)
+    log(f"== G={g} M={m} K={k} N={n}: group sizes min {sizes.min()} median {int(np.median(sizes))} "
+        f"max {sizes.max()}, {int((sizes == 0).sum())} empty")
+    flops = 2.0 * m * k * n
+    tiling, kernel_s = (DEFAULT_TILING, None)
+    if not args.no_tune:
+      tiling, kernel_s = tune((x, w, gs, dy), SMOKE_TILES if smoke else MM_TILES,
+                              SMOKE_TILES if smoke else T_TILES, smoke, log)
+      tile_lines.append(f"| {g} | {m} | {k} | {n} | " + " | ".join(
+          f"{fmt_tile(t)} ({flops / s / 1e12:.0f})" for t, s in
+          zip((tiling.fwd, tiling.dlhs, tiling.drhs), kernel_s, strict=True)) + " |")
+    impls = [("ours (tuned tiles)", ours(tiling))] if not args.no_tune else []
+    impls += [("ours (default tiles)", ours(DEFAULT_TILING)), ("jax.lax.ragged_dot", xla)]
+    impls.append((tk_label, tk_op))
+    res = {}
+    for name, op in impls:
+      if op is None:
+        lines.append(f"| {g} | {m} | {k} | {n} | {name} | - | - | - | - |")
+        continue
+      try:
+        tf, tb = bench(fwd_fn(op), x, w, gs), bench(fwd_bwd_fn(op), x, w, gs, dy)
+      except Exception as e:  # noqa: BLE001 - reported in the table instead of faked
+        log(f"  {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        lines.append(f"| {g} | {m} | {k} | {n} | {name} | failed ({type(e).__name__}) | | | |")
+        continue
+      res[name] = (tf, tb)
+      row = (f"{tf * 1e3:.3f} | {flops / tf / 1e12:.1f} | {tb * 1e3:.3f} | {3 * flops / tb / 1e12:.1f}")
+      log(f"  {name}: fwd {tf * 1e3:.3f} ms ({flops / tf / 1e12:.1f} TFLOP/s), fwd+bwd {tb * 1e3:.3f} ms "
+          f"({3 * flops / tb / 1e12:.1f} TFLOP/s)")
+      lines.append(f"| {g} | {m} | {k} | {n} | {name} | {row} |")
+    for mine in [s for s in res if s.startswith("ours")]:
+      for other in [s for s in res if not s.startswith("ours")]:
+        r = [res[other][i] / res[mine][i] for i in range(2)]
+        ratio_lines.append(f"| {g} | {mine} | {other} | {r[0]:.2f}x | {r[1]:.2f}x |")
+        log(f"  {mine} vs {other}: fwd {r[0]:.2f}x, fwd+bwd {r[1]:.2f}x")
+
+  lines += ["", "Speed-up (time of the other / ours):", "",
+            "| G | ours | vs | fwd | fwd+bwd |", "|---|---|---|---|---|", *ratio_lines]
+  if tile_lines:
+    lines += ["", "Best tile per kernel in this run, bm x bk x bn, warps, stages (kernel alone, TFLOP/s):",
+              "", "| G | M | K | N | forward | dlhs | drhs |", "|---|---|---|---|---|---|---|", *tile_lines]
+  lines += fusion(shapes[0], ours(DEFAULT_TILING), log)
+  return lines, failures
+
+
+def fusion(shape, op, log):
+  """SiTU-GLU gate/up as one grouped matmul on [G, K, 2N] weights vs two on [G, K, N]."""
+  g, m, k, n = shape
+  x, w, gs, dy = make_inputs(g, m, k, n, jnp.bfloat16)
+  w2 = jnp.flip(w, axis=0)
+  cat = jnp.concatenate([w, w2], axis=2)
+
+  def two(x, w_cat, gs):
+    return op(x, w_cat[..., :n], gs) + op(x, w_cat[..., n:], gs)
+
+  def one(x, w_cat, gs):
+    y = op(x, w_cat, gs)
+    return y[:, :n] + y[:, n:]
+
+  t_two, t_one = (bench(fwd_bwd_fn(f), x, cat, gs, dy) for f in (two, one))
+  log(f"== gate/up fusion at G={g} M={m} K={k} N={n}: two gmm {t_two * 1e3:.3f} ms, one gmm on 2N "
+      f"{t_one * 1e3:.3f} ms (fwd+bwd)")
+  return ["", f"Gate/up fusion, fwd+bwd, G={g} M={m} K={k}, two N={n} grouped matmuls vs one on 2N={2 * n} "
+          f"(default tiles): {t_two * 1e3:.3f} ms vs {t_one * 1e3:.3f} ms ({t_two / t_one:.2f}x)."]
+
+
+def write_section(path, body):
+  text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+  start = text.find(SECTION + "\n")
+  if start < 0:
+    text = text.rstrip("\n") + "\n\n" + body
+  else:
+    nxt = text.find("\n## ", start + len(SECTION))
+    text = text[:start] + body + ("\n" + text[nxt + 1:] if nxt >= 0 else "")
+  with open(path, "w") as f:
+    f.write(text)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--smoke", action="store_true", help="tiny shapes, Pallas interpret mode, CPU; no file")
+  p.add_argument("--no-tune", action="store_true", help="skip the tile sweep; time the default tiles")
+  p.add_argument("--out", default=None, help="markdown file to update (default BENCHMARKS.md on GPU)")
+  args = p.parse_args()
+  if args.smoke:
+    jax.config.update("jax_platforms", "cpu")
+  date = subprocess.run(["date", "-u"], capture_output=True, text=True).stdout.strip()
+  lines, failures = run(args)
+  dev = jax.devices()[0]
+  header = [SECTION, "", f"`{' '.join(['python3', *sys.argv])}` on {dev.device_kind} ({dev.platform}), "
+            f"jax {jax.__version__}, {date}. bf16 inputs and outputs, float32 accumulation; group sizes "
+            "Zipf-skewed (exponent 1, seeded, every 16th group empty), summing to M. FLOPs: 2MKN forward, "
+            "3x for forward + both gradients.", ""]
+  body = "\n".join(header + lines) + "\n"
+  print("\n" + body)
+  out = args.out or (None if args.smoke else os.path.join(os.path.dirname(__file__), "..", "BENCHMARKS.md"))
+  if out:
+    write_section(out, body)
+    print(f"wrote the '{SECTION}' section of {os.path.abspath(out)}")
+  if failures:
+    sys.exit(f"correctness check failed: {failures}")
+
+
+if __name__ == "__main__":
+  main()
