@@ -48,7 +48,9 @@ class DecoderLayer(nn.Module):
     attnres = cfg.attnres.mode == "attnres"
     block_size = cfg.attnres.block_size if attnres else _NEVER
     for role, sublayer in self._sublayers():
-      if attnres:
+      if attnres and len(state.sources()) == 1:
+        h_BTD = state.sources()[0]  # a softmax over one source is constant: no query to learn
+      elif attnres:
         h_BTD = AttnResQuery(cfg.norm_eps, name=f"{role}_attnres")(state.sources())
       else:
         h_BTD = state.residual_sum()

@@ -13,7 +13,32 @@ import jax.numpy as jnp
 
 Axes = tuple[str | None, ...]
 
-default_kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+def kernel_init(num_in_axes: int, ndim: int):
+  """Fan-in init for a kernel whose first `num_in_axes` axes are contracted with the input.
+
+  Spelled out because flax's default takes axis -2 as the input axis, which is wrong for
+  [in, heads, dim] kernels (fan_in would come out as `heads`).
+  """
+  return nn.initializers.variance_scaling(
+      1.0, "fan_in", "truncated_normal", in_axis=tuple(range(num_in_axes)),
+      out_axis=tuple(range(num_in_axes, ndim)))
+
+
+default_kernel_init = kernel_init(1, 2)  # [in, out] matrices
+
+
+def matmul(spec: str, x, w, dtype):
+  """einsum in the compute dtype with float32 accumulation, cast back to the compute dtype."""
+  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
+                    preferred_element_type=jnp.float32).astype(dtype)
+
+
+def check_input(x_BTD, d_model: int, layer: str):
+  """Raises ValueError unless x is a floating [B,T,D] array with D = d_model."""
+  if x_BTD.ndim != 3 or x_BTD.shape[-1] != d_model:
+    raise ValueError(f"{layer}: expected input [B,T,D] with D={d_model}, got shape {x_BTD.shape}")
+  if not jnp.issubdtype(x_BTD.dtype, jnp.floating):
+    raise ValueError(f"{layer}: expected a floating input, got dtype {x_BTD.dtype}")
 
 
 def logical_param(module: nn.Module, name: str, init_fn, shape: Sequence[int], axes: Axes,
@@ -25,24 +50,20 @@ def logical_param(module: nn.Module, name: str, init_fn, shape: Sequence[int], a
 
 
 class Dense(nn.Module):
-  """y = x @ W over the last axis of x, W of shape [in, *features] with logical `axes`.
-
-  `fan_in_axes` is not needed: the input is always the single last axis, so the default
-  variance-scaling init sees fan_in = in_features.
-  """
+  """y = x @ W over the last axis of x, W of shape [in, *features] with logical `axes`."""
 
   features: int | tuple[int, ...]
   axes: Axes
   use_bias: bool = False
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
-  kernel_init: object = default_kernel_init
+  kernel_init: object = None  # default: fan-in over the single input axis
 
   @nn.compact
   def __call__(self, x):
     features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
-    w = logical_param(self, "kernel", self.kernel_init, (x.shape[-1], *features), self.axes,
-                      self.param_dtype)
+    init = self.kernel_init or kernel_init(1, 1 + len(features))
+    w = logical_param(self, "kernel", init, (x.shape[-1], *features), self.axes, self.param_dtype)
     w = w.reshape(x.shape[-1], -1).astype(self.dtype)
     y = jnp.dot(x.astype(self.dtype), w, preferred_element_type=jnp.float32)
     y = y.reshape(*x.shape[:-1], *features)

@@ -28,7 +28,8 @@ class SiTUGLU(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x_BTD):
+  def __call__(self, x_BTD, segment_ids_BT=None):
+    del segment_ids_BT  # position-wise: documents cannot mix here
     dense = lambda f, axes, name: Dense(f, axes, dtype=self.dtype, param_dtype=self.param_dtype,
                                         name=name)
     gate_BTF = dense(self.hidden_dim, ("embed", "mlp"), "gate")(x_BTD)

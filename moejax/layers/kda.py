@@ -13,9 +13,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from moejax.layers.mla import check_input, kernel_init, matmul
 from moejax.layers.short_conv import check_segment_ids, document_ids, short_conv
-from moejax.nn import logical_param, rms_norm
+from moejax.nn import check_input, kernel_init, logical_param, matmul, rms_norm
 from pallas_kernels.kda import chunk_kda
 
 

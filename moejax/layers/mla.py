@@ -15,33 +15,9 @@ import jax.numpy as jnp
 import ml_collections
 
 from moejax.layers.short_conv import check_segment_ids, document_ids
-from moejax.nn import RMSNorm, logical_param
+from moejax.nn import RMSNorm, check_input, kernel_init, logical_param, matmul
 
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
-
-
-def kernel_init(num_in_axes: int, ndim: int):
-  """Fan-in init for a kernel whose first `num_in_axes` axes are contracted with the input.
-
-  Spelled out because flax's default picks axis -2 as the input axis, which is wrong for
-  [in, heads, dim] kernels (fan_in would be in * heads).
-  """
-  return nn.initializers.variance_scaling(
-      1.0, "fan_in", "truncated_normal", in_axis=tuple(range(num_in_axes)),
-      out_axis=tuple(range(num_in_axes, ndim)))
-
-
-def matmul(spec: str, x, w, dtype):
-  """einsum in the compute dtype with float32 accumulation, cast back to the compute dtype."""
-  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
-                    preferred_element_type=jnp.float32).astype(dtype)
-
-
-def check_input(x_BTD, d_model: int, layer: str):
-  if x_BTD.ndim != 3 or x_BTD.shape[-1] != d_model:
-    raise ValueError(f"{layer}: expected input [B,T,D] with D={d_model}, got shape {x_BTD.shape}")
-  if not jnp.issubdtype(x_BTD.dtype, jnp.floating):
-    raise ValueError(f"{layer}: expected a floating input, got dtype {x_BTD.dtype}")
 
 
 def init_mla_cache(cfg: ml_collections.FrozenConfigDict, batch: int, max_len: int):
