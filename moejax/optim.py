@@ -79,15 +79,15 @@ def qk_clip(params, max_logits, tau: float, alpha: float = 0.5):
   """Per-head QK-clip for MLA (reported: MuonClip): where a head's max pre-softmax logit exceeds tau,
   shrink that head's query and key up-projections by (tau/max)^alpha and (tau/max)^(1-alpha).
 
-  max_logits: {layer path: [heads]} as sown by GatedMLA in the "attn_stats" collection, keyed by the
-  same flat path prefix as the layer's params. The logits are bilinear in W_uq and W_uk, so the product
-  of the two factors brings the head's max logit to exactly tau.
+  max_logits: {param path prefix of an MLA layer: [heads]} from the "attn_stats" collection sown by
+  GatedMLA. The logits are bilinear in W_uq and W_uk, so the product of the two factors brings the
+  head's max logit to exactly tau (NoPE: there is no rotary part to leave out).
   """
   flat = traverse_util.flatten_dict(params)
   for prefix, m_H in max_logits.items():
     factor_H = jnp.minimum(1.0, tau / jnp.maximum(m_H, 1e-6))
-    for name, power in (("q_up", alpha), ("k_up", 1.0 - alpha)):
-      key = (*prefix, name, "kernel")
+    for name, power in (("w_uq", alpha), ("w_uk", 1.0 - alpha)):
+      key = (*prefix, name)
       w = flat[key]  # [lora, heads, head_dim]
       flat[key] = (w * (factor_H ** power)[None, :, None]).astype(w.dtype)
   return traverse_util.unflatten_dict(flat)

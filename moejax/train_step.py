@@ -72,7 +72,8 @@ def _mla_max_logits(attn_stats):
 
 def make_train_step(model: Transformer, optimizer: optax.GradientTransformation, config):
   cfg = config.model
-  mutable = ["router", "attn_stats"]
+  # Max attention logits cost an extra QK^T pass, so they are collected only when QK-clip uses them.
+  mutable = ["router", "attn_stats"] if config.optim.qk_clip_tau > 0 else ["router"]
 
   def loss_fn(params, balance_vars, batch):
     h_BTD, stats = model.apply({"params": params, "balance": balance_vars}, batch["tokens"],
@@ -112,7 +113,7 @@ def make_eval_step(model: Transformer, config):
 
   def eval_step(state: TrainState, batch):
     h_BTD, _ = model.apply({"params": state.params, "balance": balance_lib.model_vars(state.balance)},
-                           batch["tokens"], batch["segment_ids"], mutable=["router", "attn_stats"])
+                           batch["tokens"], batch["segment_ids"], mutable=["router"])
     _, metrics = cross_entropy(h_BTD, head_matrix(state.params, cfg), batch["targets"], batch["loss_mask"],
                                chunk=cfg.loss.chunk_tokens)
     return metrics

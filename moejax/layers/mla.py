@@ -26,6 +26,37 @@ def init_mla_cache(cfg: ml_collections.FrozenConfigDict, batch: int, max_len: in
           "index": jnp.zeros((), jnp.int32)}
 
 
+def max_logits(q_BTHK, k_BTHK, doc_BT, scale: float, chunk: int = 512):
+  """Per-head max pre-softmax logit over causal same-document pairs, float32 [H], no gradient.
+
+  For QK-clip. The fused attention kernels never expose their logits, so this is one extra QK^T
+  pass, over [chunk, chunk] blocks so that its memory stays [B,H,chunk,chunk] at any length.
+  """
+  q_BTHK, k_BTHK = jax.lax.stop_gradient(q_BTHK), jax.lax.stop_gradient(k_BTHK)
+  B, T, H, _ = q_BTHK.shape
+  chunk = min(chunk, T)
+  n = -(-T // chunk)
+  pad = n * chunk - T
+  blocks = lambda x, fill: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2),
+                                   constant_values=fill).reshape(B, n, chunk, *x.shape[2:]).swapaxes(0, 1)
+  q_NBCHK, k_NBCHK = blocks(q_BTHK, 0), blocks(k_BTHK, 0)
+  doc_NBC = blocks(doc_BT, -1)  # padding matches no document
+  pos_NC = jnp.arange(n * chunk).reshape(n, chunk)
+
+  def query_block(i):
+    def key_block(j, running_H):
+      logits_BHCS = jnp.einsum("bchk,bshk->bhcs", q_NBCHK[i], k_NBCHK[j],
+                               preferred_element_type=jnp.float32) * scale
+      ok_BCS = ((doc_NBC[i][:, :, None] == doc_NBC[j][:, None, :])
+                & (pos_NC[j][None, None, :] <= pos_NC[i][None, :, None]))
+      block_H = jnp.max(jnp.where(ok_BCS[:, None], logits_BHCS, -jnp.inf), axis=(0, 2, 3))
+      return jnp.maximum(running_H, block_H)
+
+    return jax.lax.fori_loop(0, i + 1, key_block, jnp.full((H,), -jnp.inf, jnp.float32))
+
+  return jnp.max(jax.lax.map(query_block, jnp.arange(n)), axis=0)
+
+
 class GatedMLA(nn.Module):
   """y = W_o( sigmoid(W_g x) * Attention_causal,per-document(q, k, v) ), NoPE.
 
@@ -114,6 +145,9 @@ class GatedMLA(nn.Module):
     o_BTHV = jax.nn.dot_product_attention(
         pad(q_BTHK), pad(k_BTHK), pad(v_BTHV), mask=mask_B1TT, scale=K ** -0.5, is_causal=True,
         implementation=self.implementation())[..., :V]
+    if self.is_mutable_collection("attn_stats"):  # asked for by QK-clip only: it costs a QK^T pass
+      doc_BT = jnp.zeros((B, T), jnp.int32) if segment_ids_BT is None else document_ids(segment_ids_BT)
+      self.sow("attn_stats", "max_logit", max_logits(q_BTHK, k_BTHK, doc_BT, K ** -0.5))
     return self.gated_output(x_BTD, o_BTHV)
 
   def decode(self, x_BSD, cache):
