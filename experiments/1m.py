@@ -53,12 +53,12 @@ def get_config():
   c.optim.qk_clip_tau = 100.0
 
   t = c.train
-  t.stages = [
+  t.stages = (
       (8_192, 2_000, 524_288),
       (65_536, 500, 524_288),
       (262_144, 200, 524_288),
       (1_048_576, 100, 1_048_576),
-  ]
+  )
   t.log_every = 10
   t.eval_every = 250
   t.eval_batches = 2

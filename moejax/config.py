@@ -100,7 +100,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   t = c.train = ml_collections.ConfigDict()
   # Progressive context: (seq_len, steps, tokens per batch) per stage, run in order.
-  t.stages = [(128, 200, 4096)]
+  t.stages = ((128, 200, 4096),)  # a tuple, so --config.train.stages="((128, 30, 2048),)" works
   t.seed = 0
   t.log_every = 10
   t.eval_every = 100

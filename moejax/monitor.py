@@ -49,14 +49,14 @@ class Monitor:
       self.jsonl.flush()
     self.bar.update(1)
     self.bar.set_postfix(loss=f"{row.get('loss', float('nan')):.3f}",
-                         maxvio=f"{row.get('maxvio_batch', float('nan')):.2f}")
+                         maxvio=f"{row.get('moe/maxvio_batch', float('nan')):.2f}")
     if not row.get("finite", 1.0):
       log.warning("step %d: non-finite loss or gradient; update skipped (%d in a row)", step,
                   int(row.get("bad_steps", 0)))
     self._check_maxvio(step, row)
 
   def _check_maxvio(self, step: int, row: dict) -> None:
-    maxvio = row.get("maxvio_batch")
+    maxvio = row.get("moe/maxvio_batch")
     if maxvio is None:
       return
     self.high_maxvio_steps = self.high_maxvio_steps + 1 if maxvio > self.config.train.maxvio_alert else 0

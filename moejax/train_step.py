@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from moejax import balance as balance_lib
+from moejax import metrics as metrics_lib
 from moejax.loss import cross_entropy
 from moejax.model import Transformer
 from moejax.optim import make_optimizer, qk_clip
@@ -24,7 +25,7 @@ class TrainState:
   step: jax.Array
   params: Any
   opt_state: Any
-  balance: Any  # the model's "balance" collection plus accumulated load statistics
+  balance: Any  # the model's "balance" collection: router biases and accumulated loads per MoE layer
   rng: jax.Array  # raw uint32 key data
   bad_steps: jax.Array  # consecutive non-finite steps (the update was skipped)
 
@@ -49,7 +50,7 @@ def init_state(model: Transformer, config, rng: jax.Array, total_steps: int):
   optimizer = make_optimizer(config.optim, axes, total_steps)
   state = TrainState(
       step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
-      balance=balance_lib.init_balance_state(variables.get("balance", {})), rng=state_rng,
+      balance=variables.get("balance", {}), rng=state_rng,
       bad_steps=jnp.zeros((), jnp.int32))
   return state, optimizer, axes
 
@@ -86,13 +87,14 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
 
   def train_step(state: TrainState, batch):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (loss, (metrics, stats)), grads = grad_fn(state.params, balance_lib.model_vars(state.balance), batch)
+    (loss, (metrics, stats)), grads = grad_fn(state.params, state.balance, batch)
     grad_norm = optax.global_norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     if config.optim.qk_clip_tau > 0:
       params = qk_clip(params, _mla_max_logits(stats.get("attn_stats", {})), config.optim.qk_clip_tau)
-    new_balance = balance_lib.next_balance_state(cfg.moe, state.balance, stats.get("router", {}))
+    router_stats = stats.get("router", {})
+    new_balance = balance_lib.next_balance_state(cfg.moe.balance, state.balance, router_stats, cfg.moe)
 
     # A non-finite loss or gradient skips the whole update, balance state included.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -102,7 +104,7 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
         balance=keep(new_balance, state.balance), rng=jax.random.fold_in(state.rng, state.step),
         bad_steps=jnp.where(finite, 0, state.bad_steps + 1))
     metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "finite": finite,
-               **balance_lib.step_metrics(cfg.moe, new_balance, stats.get("router", {}))}
+               **metrics_lib.balance_metrics(router_stats, new_balance, cfg.moe.top_k)}
     return next_state, metrics
 
   return train_step
@@ -112,7 +114,7 @@ def make_eval_step(model: Transformer, config):
   cfg = config.model
 
   def eval_step(state: TrainState, batch):
-    h_BTD, _ = model.apply({"params": state.params, "balance": balance_lib.model_vars(state.balance)},
+    h_BTD, _ = model.apply({"params": state.params, "balance": state.balance},
                            batch["tokens"], batch["segment_ids"], mutable=["router"])
     _, metrics = cross_entropy(h_BTD, head_matrix(state.params, cfg), batch["targets"], batch["loss_mask"],
                                chunk=cfg.loss.chunk_tokens)
