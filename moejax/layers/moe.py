@@ -11,7 +11,9 @@ Parallelism follows the ambient mesh (`jax.set_mesh`). When its token axes (data
 moejax/parallel/mesh.py) split the batch, the routed part runs per shard inside jax.shard_map: load
 and aux-loss sums are psum'd, the quantile bias uses histograms summed over the token axes, and if the
 `expert` axis has size > 1 the routed experts are split over it and tokens travel by all-to-all
-(moejax/parallel/expert.py). Otherwise everything runs as plain (global-view) array code.
+(moejax/parallel/expert.py); the output keeps the input's sharding. Without such a mesh everything
+runs as plain (global-view) array code. The exchange is picked by platform (ragged_all_to_all on
+GPU/TPU, capacity-padded all_to_all on CPU) unless `MoE(cfg, exchange=...)` names one.
 
 Sown into the collection "router" (each a plain array, overwritten per call), when it is mutable:
   load       [n] float32   tokens routed to each expert in this batch (all shards);
@@ -40,7 +42,6 @@ from moejax.parallel.expert import default_exchange, expert_parallel
 # Stacked expert weights [expert, in, out]: fan-in is `in` alone, not expert * in.
 expert_kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", batch_axis=(0,))
 
-_WEIGHTS = ("router", "w_down", "expert_gate", "expert_up", "expert_down", "latent_norm", "w_up")
 _EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
 
 
@@ -164,6 +165,10 @@ class MoE(nn.Module):
     def call(w, x_BTD, segment_ids_BT, bias_E):
       args = jax.tree.map(lambda spec, a: meshlib.constrain(a, spec), in_specs,
                           (w, x_BTD, segment_ids_BT, bias_E), is_leaf=lambda s: isinstance(s, P))
-      return mapped(*args)
+      y_BTD, stats = mapped(*args)
+      if meshlib.is_explicit(jax.sharding.get_abstract_mesh()):
+        # Leave the output as the input came: the residual stream it joins has that sharding.
+        y_BTD = jax.reshard(y_BTD, jax.typeof(x_BTD).sharding.spec)
+      return y_BTD, stats
 
     return call

@@ -109,10 +109,16 @@ def param_shardings(boxed_params, mesh, rules=LOGICAL_AXIS_RULES):
   return jax.tree.map(one, boxed_params, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
+def is_explicit(mesh) -> bool:
+  """Whether every axis of a non-empty mesh is Explicit (sharding in types, jax.make_mesh's default)."""
+  return not mesh.empty and set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}
+
+
 def constrain(x, spec: P):
   """Puts x in `spec` on the ambient mesh: jax.reshard for Explicit axes, a constraint for Auto ones."""
-  types = set(jax.sharding.get_abstract_mesh().axis_types)
-  if types == {jax.sharding.AxisType.Explicit}:
+  mesh = jax.sharding.get_abstract_mesh()
+  types = set(mesh.axis_types)
+  if is_explicit(mesh):
     return jax.reshard(x, spec)
   if types == {jax.sharding.AxisType.Auto}:
     return jax.lax.with_sharding_constraint(x, spec)
