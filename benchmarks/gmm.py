@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report import replace_section  # noqa: E402
 from pallas_kernels.gmm import DEFAULT_TILING, Tile, Tiling, gmm  # noqa: E402
 from pallas_kernels.gmm.kernel import gmm_pallas, tgmm_pallas  # noqa: E402
 
@@ -34,7 +35,7 @@ MM_TILES = [(128, 64, 128, 4, 4), (128, 64, 256, 8, 3), (64, 64, 128, 4, 4), (64
 T_TILES = [(64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3), (32, 128, 128, 4, 4),
            (64, 128, 256, 8, 3)]
 SMOKE_TILES = [(16, 16, 16, 4, 2), (32, 16, 32, 4, 2)]
-SECTION = "## Grouped matmul"
+SECTION = "Grouped matmul"
 TOL = 2e-2
 
 
@@ -257,18 +258,6 @@ def fusion(shape, op, log):
           f"(default tiles): {t_two * 1e3:.3f} ms vs {t_one * 1e3:.3f} ms ({t_two / t_one:.2f}x)."]
 
 
-def write_section(path, body):
-  text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-  start = text.find(SECTION + "\n")
-  if start < 0:
-    text = text.rstrip("\n") + "\n\n" + body
-  else:
-    nxt = text.find("\n## ", start + len(SECTION))
-    text = text[:start] + body + ("\n" + text[nxt + 1:] if nxt >= 0 else "")
-  with open(path, "w") as f:
-    f.write(text)
-
-
 def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--smoke", action="store_true", help="tiny shapes, Pallas interpret mode, CPU; no file")
@@ -280,7 +269,7 @@ def main():
   date = subprocess.run(["date", "-u"], capture_output=True, text=True).stdout.strip()
   lines, failures = run(args)
   dev = jax.devices()[0]
-  header = [SECTION, "", f"`{' '.join(['python3', *sys.argv])}` on {dev.device_kind} ({dev.platform}), "
+  header = [f"`{' '.join(['python3', *sys.argv])}` on {dev.device_kind} ({dev.platform}), "
             f"jax {jax.__version__}, {date}. bf16 inputs and outputs, float32 accumulation; group sizes "
             "Zipf-skewed (exponent 1, seeded, every 16th group empty), summing to M. FLOPs: 2MKN forward, "
             "3x for forward + both gradients.", ""]
@@ -288,7 +277,7 @@ def main():
   print("\n" + body)
   out = args.out or (None if args.smoke else os.path.join(os.path.dirname(__file__), "..", "BENCHMARKS.md"))
   if out:
-    write_section(out, body)
+    replace_section(out, SECTION, body)
     print(f"wrote the '{SECTION}' section of {os.path.abspath(out)}")
   if failures:
     sys.exit(f"correctness check failed: {failures}")
