@@ -77,7 +77,10 @@ def base_config() -> ml_collections.ConfigDict:
   e.histogram_bins = 2048
   e.sign_rate = 1e-3
   e.aux_loss_weight = 1e-4
-  e.capacity_factor = 2.0  # only for the capacity-padded all_to_all expert-parallel path (CPU)
+  # Expert parallelism only: per-rank exchange buffers hold capacity_factor x the mean load (both the
+  # padded CPU path and the ragged GPU path). Pairs past it are dropped and counted in router/dropped;
+  # a factor >= the expert-axis size can never drop.
+  e.capacity_factor = 2.0
 
   lo = m.loss = ml_collections.ConfigDict()
   lo.z_loss_weight = 0.0

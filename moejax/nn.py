@@ -2,7 +2,7 @@
 
 Parameters carry MaxText-style logical axis names (`embed`, `heads`, `mlp`, ...) through
 `nn.with_logical_partitioning`; the mapping from logical names to mesh axes lives in
-`moejax/sharding.py`, never in the math.
+`moejax/parallel/mesh.py`, never in the math.
 """
 
 from collections.abc import Sequence
