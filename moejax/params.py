@@ -35,7 +35,12 @@ def _component(path: tuple[str, ...]) -> str:
   if role.endswith("_norm"):
     return "pre-sublayer norms"
   if role == "moe":
-    return f"moe/{names[2]}" if len(names) > 3 else "moe"
+    part = names[2]
+    if part.startswith("expert_"):
+      return "moe routed experts"
+    if part.startswith("shared_"):
+      return "moe shared experts"
+    return "moe router" if part == "router" else "moe latent down/up + norm"
   return {"kda": "kda mixers", "mla": "mla mixers", "ffn": "dense ffn"}.get(role, role)
 
 
