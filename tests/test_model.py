@@ -25,8 +25,12 @@ def _experiment(name):
 
 
 def _small_config(**model):
+  """One KDA layer with the dense FFN, one MLA layer with the MoE: every component, little compile."""
   c = base_config()
   c.data.vocab_size = 300
+  c.model.num_layers = 2
+  c.model.layer_pattern = "KM"
+  c.model.attnres.block_size = 2
   for k, v in model.items():
     c.model[k] = v
   return c
@@ -34,13 +38,17 @@ def _small_config(**model):
 
 def _init(config, B=2, T=24):
   model = build_model(config)
-  variables = model.init(jax.random.key(0), jnp.zeros((B, T), jnp.int32))
+  variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((B, T), jnp.int32))
   return model, {k: v for k, v in variables.items() if k in ("params", "balance")}
 
 
 def _apply(model, variables, tokens, segment_ids=None):
   h, _ = model.apply(variables, tokens, segment_ids, mutable=["router", "attn_stats"])
   return h
+
+
+def _jitted(model):
+  return jax.jit(lambda variables, tokens, segment_ids: _apply(model, variables, tokens, segment_ids))
 
 
 def test_layer_kinds_follow_pattern_and_dense_prefix():
@@ -71,9 +79,11 @@ def test_causal_end_to_end(mode):
   config.model.attnres.mode = mode
   config.model.moe.balance = "none"  # routing must not depend on other tokens' batch statistics
   model, variables = _init(config)
+  forward = _jitted(model)
   tokens = jax.random.randint(jax.random.key(1), (1, 24), 0, 300)
-  base = _apply(model, variables, tokens)
-  changed = _apply(model, variables, tokens.at[0, 15].set((tokens[0, 15] + 7) % 300))
+  one_doc = jnp.ones((1, 24), jnp.int32)
+  base = forward(variables, tokens, one_doc)
+  changed = forward(variables, tokens.at[0, 15].set((tokens[0, 15] + 7) % 300), one_doc)
   np.testing.assert_allclose(np.asarray(base[:, :15]), np.asarray(changed[:, :15]), rtol=1e-5, atol=1e-5)
   assert not np.allclose(np.asarray(base[:, 15:]), np.asarray(changed[:, 15:]))
 
@@ -83,14 +93,19 @@ def test_packed_documents_equal_separate_runs():
   config = _small_config()
   config.model.moe.balance = "none"
   model, variables = _init(config)
+  forward = _jitted(model)
   lengths = [7, 1, 11, 5]
+  T = sum(lengths)
   docs = [jax.random.randint(jax.random.key(10 + i), (1, n), 0, 300) for i, n in enumerate(lengths)]
   packed = jnp.concatenate(docs, axis=1)
   segment_ids = jnp.concatenate([jnp.full((1, n), i + 1, jnp.int32) for i, n in enumerate(lengths)], 1)
-  h_packed = _apply(model, variables, packed, segment_ids)
+  h_packed = forward(variables, packed, segment_ids)
   start = 0
   for doc, n in zip(docs, lengths, strict=True):
-    h_alone = _apply(model, variables, doc)
+    # Alone: the document first in the row (one shape, one compile); by causality what follows it
+    # cannot reach its outputs.
+    row = jnp.concatenate([doc, jnp.zeros((1, T - n), jnp.int32)], axis=1)
+    h_alone = forward(variables, row, jnp.ones((1, T), jnp.int32))[:, :n]
     np.testing.assert_allclose(np.asarray(h_packed[:, start:start + n]), np.asarray(h_alone),
                                rtol=1e-4, atol=1e-4)
     start += n
@@ -107,7 +122,7 @@ def test_gradients_reach_every_parameter():
 
   # Zero-initialised AttnRes queries get a gradient too: the softmax is at its symmetric point but
   # the sources differ.
-  grads = jax.grad(loss)(variables["params"])
+  grads = jax.jit(jax.grad(loss))(variables["params"])
   flat = jax.tree_util.tree_flatten_with_path(nn.unbox(grads))[0]
   # The LM head is not part of this loss (it reads the hidden states), so it alone gets no gradient.
   dead = [jax.tree_util.keystr(p) for p, g in flat
