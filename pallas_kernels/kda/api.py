@@ -1,9 +1,11 @@
 """Public KDA entry point: validates inputs once and picks an implementation."""
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kda.chunk_xla import TILE, chunk_kda_xla
 from pallas_kernels.kda.inputs import check_inputs, resets, resolve_scale
+from pallas_kernels.kda.pallas_op import chunk_kda_pallas
 from pallas_kernels.kda.recurrent import recurrent_kda
 
 IMPLEMENTATIONS = ("xla", "recurrent", "pallas", "interpret")
@@ -29,22 +31,21 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
       the final state is the state at the end of the row, i.e. of its last document. Outputs and
       gradients of one document do not depend on any other document (cross-document gradients are
       exact zeros, not just small).
-    chunk_size: inter-chunk scan length for "xla"; a positive multiple of 16. T need not divide by it.
-    implementation: None (currently "xla"), "xla" (chunked matmul form), "recurrent" (token-by-token
-      lax.scan). "pallas" and "interpret" are reserved for the Pallas kernel.
+    chunk_size: inter-chunk scan length; a positive multiple of 16 (a power of two up to 128 for the
+      Pallas kernel). T need not divide by it.
+    implementation: None ("pallas" on GPU, "xla" elsewhere), "xla" (chunked matmul form), "recurrent"
+      (token-by-token lax.scan), "pallas" (Pallas GPU kernels), "interpret" (the same kernels in Pallas
+      interpret mode, e.g. on CPU).
 
   Returns:
     (o [B,T,H,V] in v's dtype, final_state [B,H,K,V] float32 if output_final_state else None).
     All accumulation is float32 whatever the input dtype.
   """
   if implementation is None:
-    implementation = "xla"
+    implementation = "pallas" if jax.default_backend() == "gpu" else "xla"
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"unknown KDA implementation {implementation!r}; expected one of {IMPLEMENTATIONS}"
                      " or None")
-  if implementation in ("pallas", "interpret"):
-    raise NotImplementedError(f"KDA implementation {implementation!r} lands with the Pallas kernel issue;"
-                              " use 'xla' or 'recurrent' for now")
   if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0 \
       or chunk_size % TILE:
     raise ValueError(f"chunk_size must be a positive multiple of {TILE}, got {chunk_size!r}")
@@ -52,6 +53,10 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     return recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, segment_ids=segment_ids)
   K = check_inputs(q, k, v, g, beta, initial_state, segment_ids).K
+  if implementation in ("pallas", "interpret"):
+    return chunk_kda_pallas(q, k, v, g, beta, resolve_scale(scale, K), initial_state, resets(segment_ids),
+                            chunk_size=chunk_size, output_final_state=bool(output_final_state),
+                            interpret=implementation == "interpret")
   scale = jnp.asarray(resolve_scale(scale, K), jnp.float32)
   return chunk_kda_xla(q, k, v, g, beta, scale, initial_state, resets(segment_ids),
                        chunk_size=chunk_size, output_final_state=bool(output_final_state))

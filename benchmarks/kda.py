@@ -1,0 +1,383 @@
+"""KDA kernel benchmark: ours (Pallas), ours (XLA reference) and fla 0.6.0 chunk_kda on one GPU.
+
+  python benchmarks/kda.py                  # the table of the issue, written into BENCHMARKS.md
+  python benchmarks/kda.py --sweep          # per-kernel block sizes and launch parameters
+  python benchmarks/kda.py --check          # GPU correctness only (Pallas vs the float32 reference)
+
+fla runs in a child process (torch and JAX apart); inputs and its outputs travel as raw bf16 bits
+through /dev/shm. Times are medians of back-to-back runs on device (JAX: k calls between syncs; torch:
+triton.testing.do_bench). Errors are ||x - ref|| / ||ref|| against the float32 XLA reference on the same
+bf16 inputs, taken as the worst over o, dq, dk, dv, dg, dbeta.
+"""
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+
+SHAPES = ((2, 8192), (1, 32768), (1, 131072))
+H, D, LB = 16, 128, -5.0
+INTERPRET = False  # --smoke: tiny shapes through Pallas interpret mode, to test this script on a CPU
+SHM = "/dev/shm/kda_bench"
+SECTION = "## KDA kernel"
+
+
+# ----------------------------------------------------------------------------- fla child process
+def fla_child(B, T, reps_ms):
+  import numpy as np
+  import torch
+  import triton
+  from fla.ops.kda import chunk_kda
+
+  load = lambda name: torch.from_numpy(np.load(f"{SHM}/{name}.npy")).view(torch.bfloat16).cuda()
+  q, k, v, g, beta, do = (load(n) for n in ("q", "k", "v", "g", "beta", "do"))
+  kw = dict(scale=D**-0.5, safe_gate=True, lower_bound=LB)
+  with torch.no_grad():
+    fwd_ms = triton.testing.do_bench(lambda: chunk_kda(q, k, v, g, beta, **kw), warmup=reps_ms,
+                                     rep=reps_ms, return_mode="median")
+  leaves = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+
+  def fwd_bwd():
+    o, _ = chunk_kda(*leaves, **kw)
+    o.backward(do)
+    return o
+
+  both_ms = triton.testing.do_bench(fwd_bwd, warmup=reps_ms, rep=reps_ms, grad_to_none=leaves,
+                                    return_mode="median")
+  for x in leaves:
+    x.grad = None
+  o = fwd_bwd()
+  for name, x in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), [o] + [x.grad for x in leaves], strict=True):
+    np.save(f"{SHM}/fla_{name}.npy", x.detach().contiguous().view(torch.int16).cpu().numpy())
+  print(json.dumps(dict(fwd_ms=fwd_ms, fwd_bwd_ms=both_ms, version=__import__("fla").__version__)))
+
+
+# ----------------------------------------------------------------------------- JAX side
+def _jax():
+  import jax
+  import jax.numpy as jnp
+  return jax, jnp
+
+
+def make_inputs(B, T, seed=0, gate=None):
+  """q, k unit rows, v normal, g uniform in [-5, 0) (or all `gate`), beta in (0, 1), dO normal; bf16."""
+  jax, jnp = _jax()
+  ks = jax.random.split(jax.random.key(seed), 6)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  shape = (B, T, H, D)
+  q = unit(jax.random.normal(ks[0], shape))
+  k = unit(jax.random.normal(ks[1], shape))
+  v = jax.random.normal(ks[2], shape)
+  g = (jax.random.uniform(ks[3], shape, minval=LB, maxval=0.0) if gate is None
+       else jnp.full(shape, gate, jnp.float32))
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
+  do = jax.random.normal(ks[5], shape)
+  return tuple(x.astype(jnp.bfloat16) for x in (q, k, v, g, beta, do))
+
+
+def kda_fns(impl, config=None):
+  """(forward, forward+backward) jitted functions of (q, k, v, g, beta[, dO])."""
+  jax, _ = _jax()
+  from pallas_kernels.kda import chunk_kda
+  from pallas_kernels.kda.inputs import resets
+  from pallas_kernels.kda.pallas_op import chunk_kda_pallas
+
+  if impl == "pallas" and config is not None:
+    def run(q, k, v, g, beta):
+      return chunk_kda_pallas(q, k, v, g, beta, D**-0.5, None, resets(None), chunk_size=64,
+                              output_final_state=False, interpret=INTERPRET, config=config)[0]
+  else:
+    impl = "interpret" if INTERPRET and impl == "pallas" else impl
+
+    def run(q, k, v, g, beta):
+      return chunk_kda(q, k, v, g, beta, implementation=impl)[0]
+
+  def fwd_bwd(q, k, v, g, beta, do):
+    o, vjp = jax.vjp(run, q, k, v, g, beta)
+    return (o,) + vjp(do)
+
+  return jax.jit(run), jax.jit(fwd_bwd)
+
+
+def time_ms(fn, *args, calls=None, repeats=None):
+  """Median over `repeats` of the mean time of `calls` back-to-back calls (one sync per group); by
+  default about 20 ms per group and 0.5 s in all."""
+  jax, _ = _jax()
+  jax.block_until_ready(fn(*args))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  once = time.perf_counter() - t0
+  calls = calls or max(1, min(20, int(0.02 / once)))
+  repeats = repeats or max(3, min(15, int(0.5 / (once * calls))))
+  samples = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / calls * 1e3)
+  samples.sort()
+  return samples[len(samples) // 2]
+
+
+def rel_err(xs, refs):
+  _, jnp = _jax()
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  return max(float(jnp.linalg.norm(f32(x) - f32(r)) / jnp.linalg.norm(f32(r)))
+             for x, r in zip(xs, refs, strict=True))
+
+
+def reference(inputs):
+  """float32 XLA reference (exact float32 products) of o and all gradients, on the bf16 inputs."""
+  _, jnp = _jax()
+  f32 = tuple(x.astype(jnp.float32) for x in inputs)
+  return kda_fns("xla")[1](*f32)
+
+
+def ceilings():
+  """Measured copy bandwidth (bytes read + written per second) and bf16 matmul rate on this GPU."""
+  jax, jnp = _jax()
+  x = jnp.ones((512, 1024, 1024), jnp.float32)  # 2 GiB
+  copy = jax.jit(lambda x: x + 1.0)
+  bw = 2 * x.nbytes / (time_ms(copy, x, calls=5, repeats=7) * 1e-3)
+  del x
+  a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
+  mm = jax.jit(lambda a: a @ a)
+  flops = 2 * 8192**3 / (time_ms(mm, a, calls=5, repeats=7) * 1e-3)
+  return bw, flops
+
+
+def floor_ms(B, T, both: bool, bw, flops, C=64):
+  """Physical floor: each input read once and each output written once, and the chunked form's FLOPs
+  (scores, solve, state products; backward counted as twice the forward)."""
+  K = V = D
+  n = B * T * H
+  bytes_ = 2 * (4 * n * D + n) + 2 * n * V                       # q k v g beta in, o out
+  if both:
+    bytes_ += 2 * (n * V) + 2 * (4 * n * D + n)                  # dO in; dq dk dv dg dbeta out
+  per_chunk = 2 * C * C * K + C * C * (K + V) + 6 * C * K * V + C * C * V
+  f = (n // C) * per_chunk * (3 if both else 1)
+  return max(bytes_ / bw, f / flops) * 1e3
+
+
+def write_inputs(inputs):
+  import numpy as np
+  os.makedirs(SHM, exist_ok=True)
+  for name, x in zip(("q", "k", "v", "g", "beta", "do"), inputs, strict=True):
+    np.save(f"{SHM}/{name}.npy", np.asarray(x).view(np.int16))
+
+
+def read_fla_outputs():
+  import ml_dtypes
+  import numpy as np
+  return [np.load(f"{SHM}/fla_{n}.npy").view(ml_dtypes.bfloat16)
+          for n in ("o", "dq", "dk", "dv", "dg", "dbeta")]
+
+
+def run_fla(B, T, reps_ms):
+  out = subprocess.run([sys.executable, __file__, "--fla-child", str(B), str(T), str(reps_ms)],
+                       capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  if out.returncode:
+    print(out.stdout[-3000:], out.stderr[-3000:], flush=True)
+    return None
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main_table(args):
+  jax, jnp = _jax()
+  device = jax.devices()[0].device_kind
+  bw, flops = (4.3e12, 7.9e14) if INTERPRET else ceilings()
+  print(f"device {device}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
+  rows = []
+  fns = {impl: kda_fns(impl) for impl in ("pallas", "xla")}
+  for B, T in SHAPES:
+    inputs = make_inputs(B, T)
+    fla = None
+    if not args.no_fla:
+      write_inputs(inputs)
+      fla = run_fla(B, T, args.fla_ms)
+    ref = reference(inputs)
+    res = {}
+    for impl, (fwd, both) in fns.items():
+      if impl == "xla" and T > args.xla_max_t:
+        continue
+      out = both(*inputs)
+      res[impl] = (time_ms(fwd, *inputs[:5]), time_ms(both, *inputs), rel_err(out, ref))
+      del out
+    if fla is not None:
+      fla_out = [jnp.asarray(x) for x in read_fla_outputs()]
+      res["fla"] = (fla["fwd_ms"], fla["fwd_bwd_ms"], rel_err(fla_out, ref))
+    ff, fb = floor_ms(B, T, False, bw, flops), floor_ms(B, T, True, bw, flops)
+    for impl, (tf, tb, err) in res.items():
+      ratio = (f"{tf / res['fla'][0]:.2f}", f"{tb / res['fla'][1]:.2f}") if "fla" in res else ("-", "-")
+      name = {"pallas": "ours (pallas)", "xla": "ours (xla ref)", "fla": "fla 0.6.0"}[impl]
+      rows.append((f"B={B} T={T}", name, f"{tf:.3f}", f"{tb:.3f}", *ratio, f"{tf / ff:.1f}",
+                   f"{tb / fb:.1f}", f"{err:.1e}"))
+      print(" | ".join(rows[-1]), flush=True)
+    del inputs, ref
+  finite = stress_1m(fns["pallas"])
+  header = ("shape", "impl", "fwd ms", "fwd+bwd ms", "fwd/fla", "f+b/fla", "fwd/floor", "f+b/floor",
+            "rel err")
+  table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                    + ["| " + " | ".join(r) + " |" for r in rows])
+  print("\n" + table)
+  print(f"\nT=1M bf16, every gate at -5 (B=1 H={H} D={D}), fwd+bwd finite: {finite}")
+  if args.write:
+    write_section(table, device, bw, flops, finite)
+
+
+def stress_1m(fns):
+  _, jnp = _jax()
+  inputs = make_inputs(1, 256 if INTERPRET else 1 << 20, seed=3, gate=LB)
+  outs = fns[1](*inputs)
+  return all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in outs)
+
+
+def write_section(table, device, bw, flops, finite):
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")
+  text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+  date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+  body = (f"{SECTION}\n\nMeasured {date} on {device} with `python benchmarks/kda.py --write` "
+          f"(H={H}, D=K=V={D}, bf16 inputs, chunk 64; fla 0.6.0 chunk_kda with safe_gate=True, "
+          f"lower_bound=-5, in a child process). Ceilings measured in the same run: copy "
+          f"{bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s; floor = max(bytes / copy, "
+          f"FLOPs / matmul). Rel err: worst of o and the five gradients against the float32 reference.\n\n"
+          f"{table}\n\nT=1M bf16 with every gate at -5, forward and backward finite: {finite}.\n")
+  start = text.find(SECTION)
+  if start < 0:
+    text = text.rstrip("\n") + "\n\n" + body
+  else:
+    end = text.find("\n## ", start + len(SECTION))
+    text = text[:start] + body + (text[end + 1:] if end >= 0 else "")
+  open(path, "w").write(text)
+  print(f"wrote {path}")
+
+
+def sweep(args):
+  """Each kernel alone at the first shape (the scans also at the last) under a few launch settings."""
+  jax, jnp = _jax()
+  from pallas_kernels.kda import pallas_prep, pallas_scan
+  from pallas_kernels.kda.pallas_backend import Tuning
+  from pallas_kernels.kda.pallas_tiles import precision_for
+  prec = precision_for(jnp.bfloat16)
+  bf = jnp.bfloat16
+  kw = dict(interpret=INTERPRET)
+
+  def report(name, fn, *a):
+    t0 = time.perf_counter()
+    try:
+      jax.block_until_ready(fn(*a))
+    except Exception as e:  # a setting the compiler rejects (e.g. shared memory) is a result too
+      print(f"{name:58s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+      return
+    compile_s = time.perf_counter() - t0
+    print(f"{name:58s} {time_ms(fn, *a):8.3f} ms   (first call {compile_s:5.1f} s)", flush=True)
+
+  for B, T in SHAPES[::2]:
+    q, k, v, g, beta, do = make_inputs(B, T)
+    doc = jnp.zeros((B, T), jnp.int32)
+    prep = lambda block, tuning: jax.jit(functools.partial(
+        pallas_prep.prep_forward, chunk=64, block=min(block, D), scale=D**-0.5, prec=prec, store_dtype=bf,
+        tuning=tuning, **kw))
+    W, U, qg, kd, Aqk, sdec = prep(64, Tuning(4, 1))(q, k, v, g, beta, doc)
+    S0 = jnp.zeros((B, H, D, D), jnp.float32)
+    if T == SHAPES[0][1]:
+      for block, nw in args.sweep_prep:
+        report(f"B={B} T={T} prep_fwd block={block} warps={nw}", prep(block, Tuning(nw, 1)),
+               q, k, v, g, beta, doc)
+    for bv, nw, ns in args.sweep_scan:
+      tuning, bv = Tuning(nw, ns), min(bv, D)
+      fwd = jax.jit(lambda *a, bv=bv, tuning=tuning: pallas_scan.scan_forward(
+          *a, out_dtype=bf, block_v=bv, big=prec.big, tuning=tuning, **kw)[:2])
+      report(f"B={B} T={T} scan_fwd bv={bv} warps={nw} stages={ns}", fwd, W, U, qg, kd, Aqk, sdec, S0)
+      bwd = jax.jit(lambda *a, bv=bv, tuning=tuning: pallas_scan.scan_backward(
+          *a, store_dtype=bf, block_v=bv, big=prec.big, tuning=tuning, **kw))
+      report(f"B={B} T={T} scan_bwd bv={bv} warps={nw} stages={ns}", bwd, do, Aqk, kd, W, qg, sdec, S0)
+    if T != SHAPES[0][1]:
+      continue
+    fwd_keep = jax.jit(lambda *a: pallas_scan.scan_forward(*a, out_dtype=bf, block_v=32, big=prec.big,
+                                                           states_dtype=bf, tuning=Tuning(4, 2), **kw))
+    report(f"B={B} T={T} scan_fwd keeping states bv=32", fwd_keep, W, U, qg, kd, Aqk, sdec, S0)
+    _, _, states, Vp = fwd_keep(W, U, qg, kd, Aqk, sdec, S0)
+    dVp, dSn, _ = pallas_scan.scan_backward(do, Aqk, kd, W, qg, sdec, S0, store_dtype=bf, block_v=32,
+                                            big=prec.big, tuning=Tuning(4, 2), **kw)
+    for block, nw in args.sweep_grads:
+      sg = jax.jit(functools.partial(pallas_prep.state_grads, block=min(block, D), prec=prec, store_dtype=bf,
+                                     tuning=Tuning(nw, 1), **kw))
+      report(f"B={B} T={T} state_grads block={block} warps={nw}", sg, states, dSn, do, dVp, Vp)
+    dW, dqg, dkd, dAqk, dsdec = pallas_prep.state_grads(states, dSn, do, dVp, Vp, block=min(64, D), prec=prec,
+                                                        store_dtype=bf, tuning=Tuning(4, 1), **kw)
+    for block, nw in args.sweep_prep:
+      pb = jax.jit(functools.partial(pallas_prep.prep_backward, chunk=64, block=min(block, D), scale=D**-0.5,
+                                     prec=prec, tuning=Tuning(nw, 1), **kw))
+      report(f"B={B} T={T} prep_bwd block={block} warps={nw}", pb, q, k, v, g, beta, doc, dW, dVp, dqg,
+             dkd, dAqk, dsdec)
+    del states, dSn, dVp, Vp
+
+
+def main_check(args):
+  """Pallas vs the float32 reference on a mid-size problem, bf16 and float32, with segments and state."""
+  jax, jnp = _jax()
+  from pallas_kernels.kda import chunk_kda
+  B, T = (2, 100) if INTERPRET else (2, 1000)
+  inputs = make_inputs(B, T, seed=7)
+  seg = jnp.asarray((jnp.arange(T)[None] >= jnp.asarray([[T // 3], [T - 1]])).astype(jnp.int32))
+  S0 = jax.random.normal(jax.random.key(2), (B, H, D, D), jnp.float32)
+  for dtype in (jnp.bfloat16, jnp.float32):
+    xs = tuple(x.astype(dtype) for x in inputs)
+
+    def f(impl, q, k, v, g, beta, S0):
+      return chunk_kda(q, k, v, g, beta, initial_state=S0, output_final_state=True, segment_ids=seg,
+                       implementation=impl)
+
+    def both(impl, *a):
+      out, vjp = jax.vjp(functools.partial(f, impl), *a[:5], a[6])
+      return out + vjp((a[5], jnp.ones_like(out[1])))
+
+    ref = jax.jit(functools.partial(both, "xla"))(*(x.astype(jnp.float32) for x in xs), S0)
+    got = jax.jit(functools.partial(both, "interpret" if INTERPRET else "pallas"))(*xs, S0)
+    names = ("o", "S_T", "dq", "dk", "dv", "dg", "dbeta", "dS0")
+    errs = [f"{n}={float(jnp.linalg.norm(a.astype(jnp.float32) - r) / jnp.linalg.norm(r)):.1e}"
+            for n, a, r in zip(names, got, ref, strict=True)]
+    print(f"check {jnp.dtype(dtype).name}: " + " ".join(errs), flush=True)
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--fla-child", nargs=3, type=float)
+  p.add_argument("--sweep", action="store_true")
+  p.add_argument("--check", action="store_true")
+  p.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
+  p.add_argument("--no-fla", action="store_true")
+  p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU), no fla")
+  p.add_argument("--fla-ms", type=int, default=200)
+  p.add_argument("--xla-max-t", type=int, default=1 << 30)
+  pair = lambda s: tuple(int(x) for x in s.split(","))
+  p.add_argument("--sweep-prep", type=pair, nargs="*", default=[(32, 2), (64, 4), (64, 2), (32, 4)],
+                 help="block,num_warps pairs for the prep kernels")
+  p.add_argument("--sweep-scan", type=pair, nargs="*",
+                 default=[(16, 4, 2), (32, 4, 2), (64, 4, 2), (32, 4, 3), (32, 8, 2), (16, 2, 2)],
+                 help="block_v,num_warps,num_stages triples for the scans")
+  p.add_argument("--sweep-grads", type=pair, nargs="*", default=[(64, 4), (128, 8), (32, 4)])
+  args = p.parse_args()
+  if args.fla_child:
+    B, T, reps = map(int, args.fla_child)
+    return fla_child(B, T, reps)
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  if args.smoke:
+    global SHAPES, H, D, INTERPRET
+    SHAPES, H, D, INTERPRET = ((1, 128), (1, 192), (1, 256)), 2, 32, True
+    args.no_fla = True
+  if args.check:
+    return main_check(args)
+  if args.sweep:
+    return sweep(args)
+  main_table(args)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,145 @@
+"""KDA through the Pallas kernels, with a custom VJP (DESIGN §2; kernels in pallas_prep and pallas_scan).
+
+Forward: prep_forward (parallel over chunks) -> scan_forward (sequential over chunks).
+Backward: scan_backward (reverse sequential) -> state_grads -> prep_backward (both parallel over chunks).
+The forward keeps the per-chunk W, qg, kd, A_qk, sdec, V' and the state entering each chunk.
+Padding to a whole number of chunks, and of K and V to powers of two (>= 16, as Triton dots need),
+happens here; zero k, v, beta and g leave the state unchanged.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda import pallas_tiles as tiles
+from pallas_kernels.kda.pallas_backend import Tuning
+from pallas_kernels.kda.pallas_prep import prep_backward, prep_forward, state_grads
+from pallas_kernels.kda.pallas_scan import scan_backward, scan_forward
+
+MAX_WIDTH = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Block sizes and launch parameters, set from the H200 measurements in BENCHMARKS.md."""
+  block: int = 32        # column block of the chunk-parallel kernels (K and V)
+  block_v_fwd: int = 32  # V columns per program of the forward state pass
+  block_v_bwd: int = 32  # and of the backward one
+  prep_fwd: Tuning = Tuning(num_warps=4, num_stages=1)
+  state_grads: Tuning = Tuning(num_warps=4, num_stages=1)
+  prep_bwd: Tuning = Tuning(num_warps=4, num_stages=1)
+  scan_fwd: Tuning = Tuning(num_warps=4, num_stages=2)
+  scan_bwd: Tuning = Tuning(num_warps=4, num_stages=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  chunk: int
+  scale: float
+  prec: tiles.Precision
+  store_dtype: jnp.dtype
+  out_dtype: jnp.dtype
+  interpret: bool
+  cfg: Config
+
+  def block(self, *widths):
+    return min(self.cfg.block, *widths)
+
+
+def _forward(st: _Static, q, k, v, g, beta, S0, doc, keep: bool):
+  K, V = q.shape[-1], v.shape[-1]
+  W, U, qg, kd, Aqk, sdec = prep_forward(q, k, v, g, beta, doc, chunk=st.chunk, block=st.block(K, V),
+                                         scale=st.scale, prec=st.prec, store_dtype=st.store_dtype,
+                                         interpret=st.interpret, tuning=st.cfg.prep_fwd)
+  o, S_fin, states, Vp = scan_forward(W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype,
+                                      block_v=min(st.cfg.block_v_fwd, V), big=st.prec.big,
+                                      states_dtype=st.store_dtype if keep else None,
+                                      interpret=st.interpret, tuning=st.cfg.scan_fwd)
+  return (o, S_fin), (q, k, v, g, beta, doc, W, qg, kd, Aqk, sdec, states, Vp)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kda(st: _Static, q, k, v, g, beta, S0, doc):
+  return _forward(st, q, k, v, g, beta, S0, doc, keep=False)[0]
+
+
+def _kda_fwd(st, q, k, v, g, beta, S0, doc):
+  return _forward(st, q, k, v, g, beta, S0, doc, keep=True)
+
+
+def _kda_bwd(st, res, cts):
+  q, k, v, g, beta, doc, W, qg, kd, Aqk, sdec, states, Vp = res
+  dO, dS_fin = cts
+  K, V = q.shape[-1], v.shape[-1]
+  dO = dO.astype(st.store_dtype)
+  dVp, dS_next, dS0 = scan_backward(dO, Aqk, kd, W, qg, sdec, dS_fin.astype(jnp.float32),
+                                    store_dtype=st.store_dtype, block_v=min(st.cfg.block_v_bwd, V),
+                                    big=st.prec.big, interpret=st.interpret, tuning=st.cfg.scan_bwd)
+  dW, dqg, dkd, dAqk, dsdec = state_grads(states, dS_next, dO, dVp, Vp, block=st.block(K, V), prec=st.prec,
+                                          store_dtype=st.store_dtype, interpret=st.interpret,
+                                          tuning=st.cfg.state_grads)
+  dq, dk, dv, dg, dbeta = prep_backward(q, k, v, g, beta, doc, dW, dVp, dqg, dkd, dAqk, dsdec,
+                                        chunk=st.chunk, block=st.block(K, V), scale=st.scale, prec=st.prec,
+                                        interpret=st.interpret, tuning=st.cfg.prep_bwd)
+  return dq, dk, dv, dg, dbeta, dS0, None
+
+
+_kda.defvjp(_kda_fwd, _kda_bwd)
+
+
+def _width(n: int) -> int:
+  return max(16, 1 << (n - 1).bit_length())
+
+
+def _static_scale(scale):
+  """The scale as a Python float when it is concrete, else None (then it is folded into q)."""
+  try:
+    return float(scale)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    return None
+
+
+def chunk_kda_pallas(q, k, v, g, beta, scale, initial_state, reset_BT, *, chunk_size: int,
+                     output_final_state: bool, interpret: bool, config: Config | None = None):
+  """KDA on validated inputs (see api.chunk_kda); `reset_BT` flags document starts after position 0
+  (None: one document per row).
+
+  Data in bf16 runs bf16 dots with float32 accumulation and state; any float32 operand among q, k, v
+  makes every product exact float32.
+  """
+  cfg = Config() if config is None else config
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  C = chunk_size
+  if C & (C - 1) or not 16 <= C <= 128:
+    raise ValueError(f"the Pallas KDA kernel needs chunk_size in (16, 32, 64, 128), got {C}")
+  if K > MAX_WIDTH or V > MAX_WIDTH:
+    raise ValueError(f"the Pallas KDA kernel supports K and V up to {MAX_WIDTH}, got K={K} V={V}")
+  f32_mode = any(jnp.dtype(x.dtype).itemsize >= 4 for x in (q, k, v))
+  store_dtype = jnp.dtype(jnp.float32 if f32_mode else jnp.bfloat16)
+  s = _static_scale(scale)
+  if s is None:
+    q, s = q * scale, 1.0
+  st = _Static(chunk=C, scale=s, prec=tiles.precision_for(store_dtype), store_dtype=store_dtype,
+               out_dtype=jnp.dtype(v.dtype), interpret=bool(interpret), cfg=cfg)
+
+  N = -(-T // C)
+  Kp, Vp = _width(K), _width(V)
+  pad = lambda x, width: jnp.pad(x, [(0, 0), (0, N * C - T), (0, 0), (0, width - x.shape[-1])])
+  qp, kp, gp = (pad(x.astype(store_dtype) if x is not g else x, Kp) for x in (q, k, g))
+  vp = pad(v.astype(store_dtype), Vp)
+  betap = jnp.pad(beta, [(0, 0), (0, N * C - T), (0, 0)])
+  if reset_BT is None:
+    doc = jnp.zeros((B, N * C), jnp.int32)
+  else:
+    # Per row: 2 * (documents started in its chunk up to it) + (one starts at it).
+    reset_BNC = jnp.pad(reset_BT, [(0, 0), (0, N * C - T)]).reshape(B, N, C).astype(jnp.int32)
+    doc = (2 * jnp.cumsum(reset_BNC, axis=-1, dtype=jnp.int32) + reset_BNC).reshape(B, N * C)
+  S0 = (jnp.zeros((B, H, Kp, Vp), jnp.float32) if initial_state is None else
+        jnp.pad(initial_state.astype(jnp.float32), [(0, 0), (0, 0), (0, Kp - K), (0, Vp - V)]))
+
+  o, S_fin = _kda(st, qp, kp, vp, gp, betap, S0, doc)
+  o = o[:, :T, :, :V]
+  return o, (S_fin[:, :, :K, :V] if output_final_state else None)
