@@ -43,7 +43,7 @@ def bench_config(mode: str, steps: int, cache_dir: str):
   m.moe.latent_dim = 32
   m.moe.expert_hidden_dim = 32
   m.moe.balance = mode
-  c.train.stages = ((128, steps, 2048),)
+  c.train.stages = ((128, steps, 1024),)
   c.train.eval_every = steps
   c.train.checkpoint_every = steps
   c.train.progress_bar = False
@@ -92,7 +92,7 @@ def main():
   body = (f"Command: `{command.strip()}`  \nDate: {now:%Y-%m-%d %H:%M} UTC  \n"
           f"Device: CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)  \n"
           f"Model: d_model 64, 4 layers (KKKM, layer 0 dense), 32 routed experts top-4, 1 shared; "
-          f"{args.steps} steps of 2048 tokens (seq 128) on the embedded stdlib corpus; the same data "
+          f"{args.steps} steps of 1024 tokens (seq 128) on the embedded stdlib corpus; the same data "
           f"stream for every mode.\n\n{table}\n")
   replace_section(args.out, "Expert balance", body)
 
