@@ -33,6 +33,12 @@ class Config:
   scan_fwd: Tuning = Tuning(num_warps=4, num_stages=2)
   scan_bwd: Tuning = Tuning(num_warps=4, num_stages=2)
 
+  def __post_init__(self):
+    for name in ("block", "block_v_fwd", "block_v_bwd"):
+      n = getattr(self, name)
+      if not isinstance(n, int) or n < 16 or n & (n - 1):
+        raise ValueError(f"Config.{name} must be a power of two >= 16 (Triton tiles), got {n!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class _Static:

@@ -1,0 +1,169 @@
+"""The Pallas KDA kernels in interpret mode (CPU) against the XLA chunked form and the token-by-token
+recurrence: values and every gradient (q, k, v, g, beta, initial state), odd lengths, packed documents,
+state in and out, gates at the bound, widths that need padding and several column blocks per kernel."""
+
+import functools
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from pallas_kernels.kda import chunk_kda
+from pallas_kernels.kda.inputs import resets
+from pallas_kernels.kda.pallas_op import Config, chunk_kda_pallas
+
+LB = -5.0
+
+
+def make_inputs(seed, B, T, H, K, V, dtype=jnp.float32, gate=None):
+  """q, k unit rows; gates uniform in [-5, 0) with ~10% exactly at -5 (or all equal to `gate`)."""
+  rng = np.random.default_rng(seed)
+  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  q, k = unit(rng.normal(size=(B, T, H, K))), unit(rng.normal(size=(B, T, H, K)))
+  v = rng.normal(size=(B, T, H, V))
+  g = rng.uniform(LB, 0.0, size=(B, T, H, K))
+  g[rng.uniform(size=g.shape) < 0.1] = LB
+  if gate is not None:
+    g[:] = gate
+  beta = rng.uniform(0.0, 1.0, size=(B, T, H))
+  S0 = jnp.asarray(rng.normal(size=(B, H, K, V)), jnp.float32)
+  cotangents = (jnp.asarray(rng.normal(size=(B, T, H, V)), jnp.float32),
+                jnp.asarray(rng.normal(size=(B, H, K, V)), jnp.float32))
+  return tuple(jnp.asarray(x, dtype) for x in (q, k, v, g, beta)), S0, cotangents
+
+
+def ids_from_lengths(lengths):
+  """Alternating ids 7, 3, 7, ...: a document starts where the id changes, not where an id is new."""
+  return np.concatenate([np.full(n, (7, 3)[i % 2]) for i, n in enumerate(lengths)])
+
+
+def run(impl, qkvgb, S0, segment_ids, *, C, scale=None, config=None):
+  """(o, final state) by `impl`; "kernel" calls the Pallas op directly with an explicit Config."""
+  if impl == "kernel":
+    K = qkvgb[0].shape[-1]
+    return chunk_kda_pallas(*qkvgb, K**-0.5 if scale is None else scale, S0, resets(segment_ids),
+                            chunk_size=C, output_final_state=True, interpret=True, config=config)
+  return chunk_kda(*qkvgb, scale=scale, initial_state=S0, output_final_state=True, segment_ids=segment_ids,
+                   chunk_size=C, implementation=impl)
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "C", "scale", "config"))
+def value_and_vjp(qkvgb, S0, segment_ids, cotangents, *, impl, C, scale=None, config=None):
+  f = lambda qkvgb, S0: run(impl, qkvgb, S0, segment_ids, C=C, scale=scale, config=config)
+  out, vjp = jax.vjp(f, qkvgb, S0)
+  return out, vjp(cotangents)
+
+
+def assert_close(actual, expected, rtol):
+  """Per leaf: |a - e| <= rtol * (|e| + max|e|), so tiny entries are judged against the leaf's scale."""
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+    a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+    np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * np.max(np.abs(e)))
+
+
+def rel_err(a, e):
+  a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+  return np.linalg.norm(a - e) / np.linalg.norm(e)
+
+
+# Odd lengths, one partial chunk, padded widths (K 40 -> 64, V 24 -> 32), several K and V blocks per
+# kernel (block 16), V blocks of the state passes narrower than V, scale given, state from zero.
+CASES = {
+    "T50-C16-docs": dict(T=50, C=16, H=2, K=16, V=16, docs=[5, 11, 16, 1, 17], scale=None,
+                         config=Config(block=16, block_v_fwd=16, block_v_bwd=16)),
+    "T131-C32-padded-blocks": dict(T=131, C=32, H=1, K=40, V=24, docs=[32, 1, 40, 58], scale=0.3,
+                                   config=Config(block=16, block_v_fwd=16, block_v_bwd=32)),
+    "T17-C64-api": dict(T=17, C=64, H=2, K=8, V=4, docs=None, scale=None, config="api"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernels_match_xla_and_recurrence(name):
+  c = CASES[name]
+  B = 2
+  qkvgb, S0, cot = make_inputs(len(name), B, c["T"], c["H"], c["K"], c["V"])
+  seg = None if c["docs"] is None else jnp.asarray(np.stack([ids_from_lengths(c["docs"])] * B), jnp.int32)
+  impl, config = ("interpret", None) if c["config"] == "api" else ("kernel", c["config"])
+  got = value_and_vjp(qkvgb, S0, seg, cot, impl=impl, C=c["C"], scale=c["scale"], config=config)
+  for ref_impl in ("xla", "recurrent"):
+    want = value_and_vjp(qkvgb, S0, seg, cot, impl=ref_impl, C=c["C"], scale=c["scale"])
+    assert_close(got, want, rtol=1e-4)
+  for x in jax.tree.leaves(got):
+    assert np.all(np.isfinite(x)) and np.any(x != 0)
+
+
+@settings(max_examples=5, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=8), st.integers(0, 2**16))
+def test_random_document_layouts(lengths, seed):
+  """Random packings at one shape (one compile): the row is cut into documents of the drawn lengths."""
+  T, C = 70, 32
+  doc, total = [], 0
+  for n in lengths:
+    n = min(n, T - total)
+    if n:
+      doc.append(n)
+      total += n
+  doc += [T - total] if total < T else []
+  qkvgb, S0, cot = make_inputs(seed, 1, T, 1, 16, 16)
+  seg = jnp.asarray(ids_from_lengths(doc)[None], jnp.int32)
+  got = value_and_vjp(qkvgb, S0, seg, cot, impl="kernel", C=C, config=Config(block=16))
+  want = value_and_vjp(qkvgb, S0, seg, cot, impl="recurrent", C=C)
+  assert_close(got, want, rtol=1e-4)
+
+
+def test_no_gradient_crosses_a_document_boundary():
+  """Loss on the last document only: every earlier gradient and the initial state's are exact zeros,
+  and so is the gradient of the gate at the document start (it decays a state that was reset)."""
+  T, start = 80, 37
+  qkvgb, S0, _ = make_inputs(3, 1, T, 1, 16, 16)
+  seg = jnp.asarray(np.arange(T)[None] >= start, jnp.int32)
+
+  @jax.jit
+  def grads(qkvgb, S0):
+    def loss(qkvgb, S0):
+      o, S = run("kernel", qkvgb, S0, seg, C=32, config=Config(block=16))
+      return jnp.sum(o[:, start:] ** 2) + jnp.sum(S**2)
+    return jax.grad(loss, argnums=(0, 1))(qkvgb, S0)
+
+  (dq, dk, dv, dg, db), dS0 = grads(qkvgb, S0)
+  np.testing.assert_array_equal(dS0, 0.0)
+  for grad in (dq, dk, dv, dg, db):
+    np.testing.assert_array_equal(grad[:, :start], 0.0)
+    assert np.any(grad[:, start + 1:] != 0)
+  np.testing.assert_array_equal(dg[:, start], 0.0)
+
+
+def test_bf16_with_every_gate_at_the_bound():
+  """bf16 inputs, g = -5 everywhere: finite, and within 1e-2 of the float32 recurrence on the same
+  inputs for the output, the final state and every gradient."""
+  B, T, H, K, V = 1, 200, 2, 32, 32
+  qkvgb, S0, cot = make_inputs(4, B, T, H, K, V, dtype=jnp.bfloat16, gate=LB)
+  cot = (cot[0].astype(jnp.bfloat16), cot[1])
+  got = value_and_vjp(qkvgb, S0, None, cot, impl="kernel", C=64, config=Config(block=16))
+  f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+  want = value_and_vjp(f32(qkvgb), S0, None, f32(cot), impl="recurrent", C=64)
+  assert got[0][0].dtype == jnp.bfloat16 and got[0][1].dtype == jnp.float32
+  for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert np.all(np.isfinite(np.asarray(a, np.float32)))
+    assert rel_err(a, e) <= 1e-2
+
+
+def test_bad_inputs_raise_clear_errors():
+  qkvgb, S0, _ = make_inputs(0, 1, 8, 1, 4, 3)
+  with pytest.raises(ValueError, match="chunk_size in"):
+    chunk_kda(*qkvgb, chunk_size=48, implementation="interpret")
+  big = make_inputs(0, 1, 4, 1, 264, 8)[0]
+  with pytest.raises(ValueError, match="K and V up to 256"):
+    chunk_kda(*big, implementation="interpret")
+  with pytest.raises(ValueError, match="block_v_fwd must be a power of two"):
+    Config(block_v_fwd=24)
+
+
+def test_default_implementation_on_cpu_is_xla():
+  qkvgb, _, _ = make_inputs(1, 1, 20, 1, 4, 4)
+  o, _ = chunk_kda(*qkvgb, chunk_size=16)
+  o_xla, _ = chunk_kda(*qkvgb, chunk_size=16, implementation="xla")
+  np.testing.assert_array_equal(o, o_xla)
