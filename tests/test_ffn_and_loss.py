@@ -1,0 +1,83 @@
+"""SiTU-GLU bounds and the chunked cross-entropy against a direct float64 computation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moejax.layers.ffn import SiTUGLU, situ_glu
+from moejax.loss import cross_entropy
+
+finite_floats = st.floats(allow_nan=False, allow_infinity=False, width=32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(gate=finite_floats, up=finite_floats)
+def test_situ_glu_is_bounded_by_b1_b2(gate, up):
+  h = float(situ_glu(jnp.float32(gate), jnp.float32(up), 4.0, 25.0))
+  assert np.isfinite(h) and abs(h) <= 100.0
+
+
+def test_situ_glu_bound_is_approached_and_holds_in_bf16():
+  h = situ_glu(jnp.array([1e4], jnp.float32), jnp.array([1e4], jnp.float32))
+  np.testing.assert_allclose(np.asarray(h), [100.0], rtol=1e-6)
+  hb = situ_glu(jnp.array([60000.0], jnp.bfloat16), jnp.array([-60000.0], jnp.bfloat16))
+  assert hb.dtype == jnp.bfloat16 and abs(float(hb[0])) <= 100.0
+
+
+def test_situ_glu_is_swiglu_near_zero():
+  x = jnp.linspace(-0.05, 0.05, 11)
+  u = jnp.linspace(0.04, -0.04, 11)
+  swiglu = x * jax.nn.sigmoid(x) * u
+  np.testing.assert_allclose(np.asarray(situ_glu(x, u)), np.asarray(swiglu), rtol=1e-3, atol=1e-8)
+
+
+def test_dense_situ_glu_matches_numpy():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(2, 5, 8)).astype(np.float32) * 3
+  module = SiTUGLU(hidden_dim=16)
+  params = jax.tree.map(lambda p: p.unbox() if hasattr(p, "unbox") else p,
+                        module.init(jax.random.key(0), x), is_leaf=lambda p: hasattr(p, "unbox"))
+  w = {k: np.asarray(v["kernel"], np.float64) for k, v in params["params"].items()}
+  g, u = x @ w["gate"], x @ w["up"]
+  sig = 1 / (1 + np.exp(-g))
+  ref = ((4 * np.tanh(g / 4) * sig) * (25 * np.tanh(u / 25))) @ w["down"]
+  np.testing.assert_allclose(np.asarray(module.apply(params, x)), ref, rtol=1e-4, atol=1e-5)
+
+
+def _reference_ce(h, w, targets, mask, z_weight):
+  logits = np.asarray(h, np.float64) @ np.asarray(w, np.float64)
+  lse = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
+  nll = lse - np.take_along_axis(logits, np.asarray(targets)[..., None], -1)[..., 0]
+  count = max(mask.sum(), 1.0)
+  return float((nll * mask).sum() / count + z_weight * (lse**2 * mask).sum() / count)
+
+
+@settings(max_examples=8, deadline=None)
+@given(T=st.integers(1, 40), chunk=st.sampled_from([4, 16, 64]), z_weight=st.sampled_from([0.0, 1e-2]),
+       seed=st.integers(0, 1000))
+def test_chunked_cross_entropy_matches_direct(T, chunk, z_weight, seed):
+  rng = np.random.default_rng(seed)
+  B, D, V = 2, 8, 13
+  h = rng.normal(size=(B, T, D)).astype(np.float32)
+  w = rng.normal(size=(D, V)).astype(np.float32)
+  targets = rng.integers(0, V, size=(B, T))
+  mask = (rng.random((B, T)) > 0.3).astype(np.float32)
+  loss, metrics = cross_entropy(jnp.asarray(h), jnp.asarray(w), jnp.asarray(targets), jnp.asarray(mask),
+                                z_loss_weight=z_weight, chunk=chunk)
+  np.testing.assert_allclose(float(loss), _reference_ce(h, w, targets, mask, z_weight), rtol=1e-5, atol=1e-6)
+  assert float(metrics["tokens"]) == mask.sum()
+
+  # Gradients match those of the unchunked formula.
+  def direct(h, w):
+    logits = h @ w
+    lse = jax.nn.logsumexp(logits, -1)
+    nll = lse - jnp.take_along_axis(logits, jnp.asarray(targets)[..., None], -1)[..., 0]
+    count = jnp.maximum(mask.sum(), 1.0)
+    return (nll * mask).sum() / count + z_weight * (lse**2 * mask).sum() / count
+
+  chunked = lambda h, w: cross_entropy(h, w, jnp.asarray(targets), jnp.asarray(mask),
+                                       z_loss_weight=z_weight, chunk=chunk)[0]
+  for a, b in zip(jax.grad(chunked, (0, 1))(h, w), jax.grad(direct, (0, 1))(h, w), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
