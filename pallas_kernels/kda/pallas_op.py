@@ -116,6 +116,9 @@ def chunk_kda_pallas(q, k, v, g, beta, scale, initial_state, reset_BT, *, chunk_
   makes every product exact float32.
   """
   cfg = Config() if config is None else config
+  if not interpret and jax.default_backend() != "gpu":
+    raise ValueError(f"implementation='pallas' needs a GPU (backend is {jax.default_backend()!r}); use "
+                     "'interpret' to run the same kernels on the CPU")
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
