@@ -27,33 +27,39 @@ SECTION = "## KDA kernel"
 
 
 # ----------------------------------------------------------------------------- fla child process
-def fla_child(B, T, reps_ms):
+def fla_child(shapes, reps_ms):
+  """Times fla on every shape in one process (its autotuning runs once) and saves its outputs."""
   import numpy as np
   import torch
   import triton
   from fla.ops.kda import chunk_kda
 
-  load = lambda name: torch.from_numpy(np.load(f"{SHM}/{name}.npy")).view(torch.bfloat16).cuda()
-  q, k, v, g, beta, do = (load(n) for n in ("q", "k", "v", "g", "beta", "do"))
   kw = dict(scale=D**-0.5, safe_gate=True, lower_bound=LB)
-  with torch.no_grad():
-    fwd_ms = triton.testing.do_bench(lambda: chunk_kda(q, k, v, g, beta, **kw), warmup=reps_ms,
-                                     rep=reps_ms, return_mode="median")
-  leaves = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+  for B, T in shapes:
+    tag = f"{SHM}/{B}x{T}"
+    load = lambda name, tag=tag: torch.from_numpy(np.load(f"{tag}_{name}.npy")).view(torch.bfloat16).cuda()
+    xs = [load(n) for n in ("q", "k", "v", "g", "beta")]
+    do = load("do")
+    with torch.no_grad():
+      fwd_ms = triton.testing.do_bench(lambda xs=xs: chunk_kda(*xs, **kw), warmup=reps_ms, rep=reps_ms,
+                                       return_mode="median")
+    leaves = [x.clone().requires_grad_(True) for x in xs]
 
-  def fwd_bwd():
-    o, _ = chunk_kda(*leaves, **kw)
-    o.backward(do)
-    return o
+    def fwd_bwd(leaves=leaves, do=do):
+      o, _ = chunk_kda(*leaves, **kw)
+      o.backward(do)
+      return o
 
-  both_ms = triton.testing.do_bench(fwd_bwd, warmup=reps_ms, rep=reps_ms, grad_to_none=leaves,
-                                    return_mode="median")
-  for x in leaves:
-    x.grad = None
-  o = fwd_bwd()
-  for name, x in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), [o] + [x.grad for x in leaves], strict=True):
-    np.save(f"{SHM}/fla_{name}.npy", x.detach().contiguous().view(torch.int16).cpu().numpy())
-  print(json.dumps(dict(fwd_ms=fwd_ms, fwd_bwd_ms=both_ms, version=__import__("fla").__version__)))
+    both_ms = triton.testing.do_bench(fwd_bwd, warmup=reps_ms, rep=reps_ms, grad_to_none=leaves,
+                                      return_mode="median")
+    for x in leaves:
+      x.grad = None
+    o = fwd_bwd()
+    for name, x in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), [o] + [x.grad for x in leaves], strict=True):
+      np.save(f"{tag}_fla_{name}.npy", x.detach().contiguous().view(torch.int16).cpu().numpy())
+    del xs, do, leaves, o
+    torch.cuda.empty_cache()
+    print(json.dumps(dict(B=B, T=T, fwd_ms=fwd_ms, fwd_bwd_ms=both_ms)), flush=True)
 
 
 # ----------------------------------------------------------------------------- JAX side
@@ -164,27 +170,33 @@ def floor_ms(B, T, both: bool, bw, flops, C=64):
   return max(bytes_ / bw, f / flops) * 1e3
 
 
-def write_inputs(inputs):
+def write_inputs(B, T, inputs):
   import numpy as np
   os.makedirs(SHM, exist_ok=True)
   for name, x in zip(("q", "k", "v", "g", "beta", "do"), inputs, strict=True):
-    np.save(f"{SHM}/{name}.npy", np.asarray(x).view(np.int16))
+    np.save(f"{SHM}/{B}x{T}_{name}.npy", np.asarray(x).view(np.int16))
 
 
-def read_fla_outputs():
+def read_fla_outputs(B, T):
   import ml_dtypes
   import numpy as np
-  return [np.load(f"{SHM}/fla_{n}.npy").view(ml_dtypes.bfloat16)
+  return [np.load(f"{SHM}/{B}x{T}_fla_{n}.npy").view(ml_dtypes.bfloat16)
           for n in ("o", "dq", "dk", "dv", "dg", "dbeta")]
 
 
-def run_fla(B, T, reps_ms):
-  out = subprocess.run([sys.executable, __file__, "--fla-child", str(B), str(T), str(reps_ms)],
-                       capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  if out.returncode:
-    print(out.stdout[-3000:], out.stderr[-3000:], flush=True)
-    return None
-  return json.loads(out.stdout.strip().splitlines()[-1])
+def run_fla(shapes, reps_ms):
+  """{(B, T): fla timings}, from one child process (no JAX in it)."""
+  arg = ",".join(f"{B}x{T}" for B, T in shapes)
+  out = subprocess.run([sys.executable, __file__, "--fla-child", arg, "--fla-ms", str(reps_ms)],
+                       capture_output=True, text=True)
+  res = {}
+  for line in out.stdout.splitlines():
+    if line.startswith("{"):
+      r = json.loads(line)
+      res[(r["B"], r["T"])] = r
+  if out.returncode or len(res) < len(shapes):
+    print("fla child failed:", out.stdout[-2000:], out.stderr[-3000:], flush=True)
+  return res
 
 
 def main_table(args):
@@ -193,24 +205,29 @@ def main_table(args):
   bw, flops = (4.3e12, 7.9e14) if INTERPRET else ceilings()
   print(f"device {device}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
   rows = []
-  fns = {impl: kda_fns(impl) for impl in ("pallas", "xla")}
+  fns = {impl: kda_fns(impl) for impl in args.impls.split(",")}
+  fla_all = {}
+  if not args.no_fla:
+    for B, T in SHAPES:
+      write_inputs(B, T, make_inputs(B, T))
+    t0 = time.perf_counter()
+    fla_all = run_fla(SHAPES, args.fla_ms)
+    print(f"fla child: {time.perf_counter() - t0:.0f} s", flush=True)
   for B, T in SHAPES:
     inputs = make_inputs(B, T)
-    fla = None
-    if not args.no_fla:
-      write_inputs(inputs)
-      fla = run_fla(B, T, args.fla_ms)
-    ref = reference(inputs)
+    fla = fla_all.get((B, T))
+    ref = None if args.no_ref or T > args.ref_max_t else reference(inputs)
+    err = lambda out, ref=ref: float("nan") if ref is None else rel_err(out, ref)
     res = {}
     for impl, (fwd, both) in fns.items():
       if impl == "xla" and T > args.xla_max_t:
         continue
       out = both(*inputs)
-      res[impl] = (time_ms(fwd, *inputs[:5]), time_ms(both, *inputs), rel_err(out, ref))
+      res[impl] = (time_ms(fwd, *inputs[:5]), time_ms(both, *inputs), err(out))
       del out
     if fla is not None:
-      fla_out = [jnp.asarray(x) for x in read_fla_outputs()]
-      res["fla"] = (fla["fwd_ms"], fla["fwd_bwd_ms"], rel_err(fla_out, ref))
+      fla_out = [jnp.asarray(x) for x in read_fla_outputs(B, T)]
+      res["fla"] = (fla["fwd_ms"], fla["fwd_bwd_ms"], err(fla_out))
     ff, fb = floor_ms(B, T, False, bw, flops), floor_ms(B, T, True, bw, flops)
     for impl, (tf, tb, err) in res.items():
       ratio = (f"{tf / res['fla'][0]:.2f}", f"{tb / res['fla'][1]:.2f}") if "fla" in res else ("-", "-")
@@ -219,7 +236,7 @@ def main_table(args):
                    f"{tb / fb:.1f}", f"{err:.1e}"))
       print(" | ".join(rows[-1]), flush=True)
     del inputs, ref
-  finite = stress_1m(fns["pallas"])
+  finite = None if args.no_stress else stress_1m(fns["pallas"])
   header = ("shape", "impl", "fwd ms", "fwd+bwd ms", "fwd/fla", "f+b/fla", "fwd/floor", "f+b/floor",
             "rel err")
   table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -227,6 +244,8 @@ def main_table(args):
   print("\n" + table)
   print(f"\nT=1M bf16, every gate at -5 (B=1 H={H} D={D}), fwd+bwd finite: {finite}")
   if args.write:
+    if args.no_ref or args.no_stress or args.no_fla or args.impls != "pallas,xla" or args.ref_max_t < T:
+      raise SystemExit("--write needs the full run (fla, both impls, errors, the T=1M run)")
     write_section(table, device, bw, flops, finite)
 
 
@@ -286,8 +305,9 @@ def sweep(args):
     W, U, qg, kd, Aqk, sdec = prep(64, Tuning(4, 1))(q, k, v, g, beta, doc)
     S0 = jnp.zeros((B, H, D, D), jnp.float32)
     if T == SHAPES[0][1]:
-      for block, nw in args.sweep_prep:
-        report(f"B={B} T={T} prep_fwd block={block} warps={nw}", prep(block, Tuning(nw, 1)),
+      for block, nw, *ns in args.sweep_prep:
+        ns = ns[0] if ns else 1
+        report(f"B={B} T={T} prep_fwd block={block} warps={nw} stages={ns}", prep(block, Tuning(nw, ns)),
                q, k, v, g, beta, doc)
     for bv, nw, ns in args.sweep_scan:
       tuning, bv = Tuning(nw, ns), min(bv, D)
@@ -311,11 +331,12 @@ def sweep(args):
       report(f"B={B} T={T} state_grads block={block} warps={nw}", sg, states, dSn, do, dVp, Vp)
     dW, dqg, dkd, dAqk, dsdec = pallas_prep.state_grads(states, dSn, do, dVp, Vp, block=min(64, D), prec=prec,
                                                         store_dtype=bf, tuning=Tuning(4, 1), **kw)
-    for block, nw in args.sweep_prep:
+    for block, nw, *ns in args.sweep_prep:
+      ns = ns[0] if ns else 1
       pb = jax.jit(functools.partial(pallas_prep.prep_backward, chunk=64, block=min(block, D), scale=D**-0.5,
-                                     prec=prec, tuning=Tuning(nw, 1), **kw))
-      report(f"B={B} T={T} prep_bwd block={block} warps={nw}", pb, q, k, v, g, beta, doc, dW, dVp, dqg,
-             dkd, dAqk, dsdec)
+                                     prec=prec, tuning=Tuning(nw, ns), **kw))
+      report(f"B={B} T={T} prep_bwd block={block} warps={nw} stages={ns}", pb, q, k, v, g, beta, doc, dW,
+             dVp, dqg, dkd, dAqk, dsdec)
     del states, dSn, dVp, Vp
 
 
@@ -348,13 +369,17 @@ def main_check(args):
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument("--fla-child", nargs=3, type=float)
+  p.add_argument("--fla-child")
   p.add_argument("--sweep", action="store_true")
   p.add_argument("--check", action="store_true")
   p.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
   p.add_argument("--no-fla", action="store_true")
   p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU), no fla")
   p.add_argument("--fla-ms", type=int, default=200)
+  p.add_argument("--impls", default="pallas,xla")
+  p.add_argument("--no-ref", action="store_true", help="skip the float32 reference (no errors)")
+  p.add_argument("--ref-max-t", type=int, default=1 << 30, help="errors only up to this T")
+  p.add_argument("--no-stress", action="store_true", help="skip the T=1M run")
   p.add_argument("--xla-max-t", type=int, default=1 << 30)
   pair = lambda s: tuple(int(x) for x in s.split(","))
   p.add_argument("--sweep-prep", type=pair, nargs="*", default=[(32, 2), (64, 4), (64, 2), (32, 4)],
@@ -365,8 +390,7 @@ def main():
   p.add_argument("--sweep-grads", type=pair, nargs="*", default=[(64, 4), (128, 8), (32, 4)])
   args = p.parse_args()
   if args.fla_child:
-    B, T, reps = map(int, args.fla_child)
-    return fla_child(B, T, reps)
+    return fla_child([tuple(map(int, s.split("x"))) for s in args.fla_child.split(",")], args.fla_ms)
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   if args.smoke:
     global SHAPES, H, D, INTERPRET

@@ -1,5 +1,5 @@
 """The one place that knows which Pallas lowering the KDA kernels use (Triton, chosen by measurement:
-see BENCHMARKS.md "KDA kernel"). Kernels only call `launch` and the dot helpers below.
+see BENCHMARKS.md "KDA kernel"). Kernels only call `launch`, `barrier` and the dot helpers below.
 
 Dot precisions: "bf16" casts both operands to bf16 (float32 accumulation), "tf32" keeps float32
 operands at the default precision (TF32 on the GPU), "f32" asks for exact float32 (IEEE on the GPU).
@@ -25,6 +25,13 @@ def launch(kernel, *, grid, out_shape, interpret: bool, tuning: Tuning, name: st
   return pl.pallas_call(
       kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
       compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages))
+
+
+def barrier(interpret: bool):
+  """A barrier over the program's threads, so global-memory scratch written by some is read by all.
+  Interpret mode runs a program sequentially and needs none."""
+  if not interpret:
+    pltriton.debug_barrier()
 
 
 _CAST = {"bf16": jnp.bfloat16, "tf32": jnp.float32, "f32": jnp.float32}

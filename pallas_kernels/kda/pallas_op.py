@@ -24,20 +24,28 @@ MAX_WIDTH = 256
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Block sizes and launch parameters, set from the H200 measurements in BENCHMARKS.md."""
-  block: int = 32        # column block of the chunk-parallel kernels (K and V)
-  block_v_fwd: int = 32  # V columns per program of the forward state pass
-  block_v_bwd: int = 32  # and of the backward one
+  block: int = 32               # column block of the prep kernels (K and V)
+  block_grads: int = 64         # and of the state-gradient kernel
+  block_v_fwd: int | None = None  # V columns per program of the forward state pass (None: see block_v)
+  block_v_bwd: int | None = None  # and of the backward one
   prep_fwd: Tuning = Tuning(num_warps=4, num_stages=1)
   state_grads: Tuning = Tuning(num_warps=4, num_stages=1)
-  prep_bwd: Tuning = Tuning(num_warps=4, num_stages=1)
+  prep_bwd: Tuning = Tuning(num_warps=8, num_stages=1)
   scan_fwd: Tuning = Tuning(num_warps=4, num_stages=2)
   scan_bwd: Tuning = Tuning(num_warps=4, num_stages=2)
 
   def __post_init__(self):
-    for name in ("block", "block_v_fwd", "block_v_bwd"):
+    for name in ("block", "block_grads", "block_v_fwd", "block_v_bwd"):
       n = getattr(self, name)
-      if not isinstance(n, int) or n < 16 or n & (n - 1):
+      if n is not None and (not isinstance(n, int) or n < 16 or n & (n - 1)):
         raise ValueError(f"Config.{name} must be a power of two >= 16 (Triton tiles), got {n!r}")
+
+  def block_v(self, chosen, B: int, H: int, V: int) -> int:
+    """The scans' V block: 32 columns per program unless that leaves fewer than 128 programs (the
+    H200 has 132 SMs and the scan is latency-bound), then 16."""
+    if chosen is None:
+      chosen = 32 if B * H * (V // 32) >= 128 else 16
+    return min(chosen, V)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +68,8 @@ def _forward(st: _Static, q, k, v, g, beta, S0, doc, keep: bool):
                                          scale=st.scale, prec=st.prec, store_dtype=st.store_dtype,
                                          interpret=st.interpret, tuning=st.cfg.prep_fwd)
   o, S_fin, states, Vp = scan_forward(W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype,
-                                      block_v=min(st.cfg.block_v_fwd, V), big=st.prec.big,
+                                      block_v=st.cfg.block_v(st.cfg.block_v_fwd, q.shape[0], q.shape[2], V),
+                                      big=st.prec.big,
                                       states_dtype=st.store_dtype if keep else None,
                                       interpret=st.interpret, tuning=st.cfg.scan_fwd)
   return (o, S_fin), (q, k, v, g, beta, doc, W, qg, kd, Aqk, sdec, states, Vp)
@@ -81,9 +90,11 @@ def _kda_bwd(st, res, cts):
   K, V = q.shape[-1], v.shape[-1]
   dO = dO.astype(st.store_dtype)
   dVp, dS_next, dS0 = scan_backward(dO, Aqk, kd, W, qg, sdec, dS_fin.astype(jnp.float32),
-                                    store_dtype=st.store_dtype, block_v=min(st.cfg.block_v_bwd, V),
+                                    store_dtype=st.store_dtype,
+                                    block_v=st.cfg.block_v(st.cfg.block_v_bwd, q.shape[0], q.shape[2], V),
                                     big=st.prec.big, interpret=st.interpret, tuning=st.cfg.scan_bwd)
-  dW, dqg, dkd, dAqk, dsdec = state_grads(states, dS_next, dO, dVp, Vp, block=st.block(K, V), prec=st.prec,
+  dW, dqg, dkd, dAqk, dsdec = state_grads(states, dS_next, dO, dVp, Vp, block=min(st.cfg.block_grads, K, V),
+                                          prec=st.prec,
                                           store_dtype=st.store_dtype, interpret=st.interpret,
                                           tuning=st.cfg.state_grads)
   dq, dk, dv, dg, dbeta = prep_backward(q, k, v, g, beta, doc, dW, dVp, dqg, dkd, dAqk, dsdec,

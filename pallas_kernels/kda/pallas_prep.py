@@ -4,9 +4,9 @@ prep_forward:  inputs -> W, U, qg, kd, A_qk, sdec for the state pass (pallas_til
 state_grads:   states, their cotangents, dO, dV', V' -> dW, dqg, dkd, dA_qk, dsdec (pallas_tiles.state_grads).
 prep_backward: those cotangents -> dq, dk, dv, dg, dbeta (pallas_tiles.prep_vjp).
 
-Layouts: q, k, g [B,T,H,K], v [B,T,H,V], beta [B,T,H], doc [B,T] as the caller gives them (T padded to
-a whole number of chunks); per-chunk results [B,H,T,*] so the sequential pass reads contiguous tiles;
-sdec [B,H,N,K]; states [B,H,N,K,V]. Kernels read and write 16-row tiles in column blocks of `block`.
+Layouts: q, k, g [B,T,H,K], v [B,T,H,V], beta [B,T,H], row codes [B,T] as the caller gives them (T padded
+to a whole number of chunks); per-chunk results [B,H,T,*] so the sequential pass reads contiguous tiles;
+sdec [B,H,N,K]; states [B,H,N,K,V]. Extra [B,H,T,C] float32 outputs serve as the programs' scratch.
 """
 
 import jax
@@ -14,49 +14,52 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import pallas_tiles as tiles
-from pallas_kernels.kda.pallas_backend import Tuning, launch
+from pallas_kernels.kda.pallas_backend import Tuning, barrier, launch
 
 TILE = tiles.TILE
 
 
-def _rows(c, C, p):
-  return pl.ds(c * C + p * TILE, TILE)
+class _Program:
+  """Views of one program's chunk c, head h, batch row b."""
 
-
-class _Chunk:
-  """Tile views and sinks of one program's chunk c, head h, batch row b."""
-
-  def __init__(self, C, block):
+  def __init__(self, C, block, interpret):
     self.c, self.h, self.b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    self.C, self.P, self.block = C, C // TILE, block
+    self.C, self.block, self.interpret = C, block, interpret
+
+  def rows(self, p=None):
+    return pl.ds(self.c * self.C, self.C) if p is None else pl.ds(self.c * self.C + p * TILE, TILE)
 
   def cols(self, i):
     return pl.ds(i * self.block, self.block)
 
   def btx(self, ref):
-    """Tiles of a [B,T,H,X] ref."""
-    return tiles.Tiles(self.P, ref.shape[-1] // self.block,
-                       lambda p, i: ref[self.b, _rows(self.c, self.C, p), self.h, self.cols(i)])
+    """A [B,T,H,X] operand."""
+    return tiles.Chunk(ref.shape[-1] // self.block,
+                       lambda i: ref[self.b, self.rows(), self.h, self.cols(i)],
+                       lambda p, i: ref[self.b, self.rows(p), self.h, self.cols(i)])
 
   def bhtx(self, ref):
-    """Tiles of a [B,H,T,X] ref."""
-    return tiles.Tiles(self.P, ref.shape[-1] // self.block,
-                       lambda p, i: ref[self.b, self.h, _rows(self.c, self.C, p), self.cols(i)])
+    """A [B,H,T,X] operand."""
+    return tiles.Chunk(ref.shape[-1] // self.block,
+                       lambda i: ref[self.b, self.h, self.rows(), self.cols(i)],
+                       lambda p, i: ref[self.b, self.h, self.rows(p), self.cols(i)])
 
-  def put_btx(self, ref):
-    def put(p, i, x):
-      ref[self.b, _rows(self.c, self.C, p), self.h, self.cols(i)] = x.astype(ref.dtype)
+  def bt_rows(self, ref, with_head=True):
+    if with_head:
+      return tiles.Rows(lambda: ref[self.b, self.rows(), self.h], lambda p: ref[self.b, self.rows(p), self.h])
+    return tiles.Rows(lambda: ref[self.b, self.rows()], lambda p: ref[self.b, self.rows(p)])
+
+  def put_full(self, ref, layout="bhtx"):
+    def put(i, x):
+      if layout == "bhtx":
+        ref[self.b, self.h, self.rows(), self.cols(i)] = x.astype(ref.dtype)
+      else:
+        ref[self.b, self.rows(), self.h, self.cols(i)] = x.astype(ref.dtype)
     return put
 
-  def put_bhtx(self, ref):
+  def put_tile_btx(self, ref):
     def put(p, i, x):
-      ref[self.b, self.h, _rows(self.c, self.C, p), self.cols(i)] = x.astype(ref.dtype)
-    return put
-
-  def put_blocks(self, ref):
-    """Sink of 16x16 blocks (p, r) of a [B,H,T,C] ref."""
-    def put(p, r, x):
-      ref[self.b, self.h, _rows(self.c, self.C, p), pl.ds(r * TILE, TILE)] = x.astype(ref.dtype)
+      ref[self.b, self.rows(p), self.h, self.cols(i)] = x.astype(ref.dtype)
     return put
 
   def put_per_chunk(self, ref):
@@ -65,31 +68,59 @@ class _Chunk:
       ref[self.b, self.h, self.c, self.cols(i)] = x.astype(ref.dtype)
     return put
 
-  def inputs(self, q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref):
-    rows = lambda ref: tiles.Rows(lambda p: ref[self.b, _rows(self.c, self.C, p), self.h])
-    return (self.btx(q_ref), self.btx(k_ref), self.btx(v_ref), self.btx(g_ref), rows(beta_ref),
-            tiles.Rows(lambda p: doc_ref[self.b, _rows(self.c, self.C, p)]))
+  def scratch(self, refs: dict):
+    b, h = self.b, self.h
+
+    def put_rows(name, p, x):
+      refs[name][b, h, self.rows(p), :] = x
+
+    def put_block(name, p, r, x):
+      refs[name][b, h, self.rows(p), pl.ds(r * TILE, TILE)] = x
+
+    def put_full(name, x):
+      refs[name][b, h, self.rows(), :] = x
+
+    return tiles.Scratch(
+        put_rows=put_rows, put_block=put_block, put_full=put_full,
+        full=lambda name: refs[name][b, h, self.rows(), :],
+        rows=lambda name, p: refs[name][b, h, self.rows(p), :],
+        cols=lambda name, t: refs[name][b, h, self.rows(), pl.ds(t * TILE, TILE)],
+        block=lambda name, p, r: refs[name][b, h, self.rows(p), pl.ds(r * TILE, TILE)],
+        barrier=lambda: barrier(self.interpret))
+
+  def inputs(self, q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref):
+    return (self.btx(q_ref), self.btx(k_ref), self.btx(v_ref), self.btx(g_ref), self.bt_rows(beta_ref),
+            self.bt_rows(code_ref, with_head=False))
 
 
-def prep_forward(q, k, v, g, beta, doc, *, chunk: int, block: int, scale: float, prec: tiles.Precision,
+def _scratch_shapes(B, H, T, C, n):
+  return tuple(jax.ShapeDtypeStruct((B, H, T, C), jnp.float32) for _ in range(n))
+
+
+def prep_forward(q, k, v, g, beta, code, *, chunk: int, block: int, scale: float, prec: tiles.Precision,
                  store_dtype, interpret: bool, tuning: Tuning):
   """Returns W, U, qg, kd, Aqk, sdec: [B,H,T,K|V|K|K|C] in store_dtype and [B,H,N,K] float32."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   C, N = chunk, T // chunk
 
-  def kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, W_ref, U_ref, qg_ref, kd_ref, Aqk_ref,
-             sdec_ref):
-    ch = _Chunk(C, block)
-    put = tiles.Prep(W=ch.put_bhtx(W_ref), U=ch.put_bhtx(U_ref), qg=ch.put_bhtx(qg_ref),
-                     kd=ch.put_bhtx(kd_ref), Aqk=ch.put_blocks(Aqk_ref), sdec=ch.put_per_chunk(sdec_ref))
-    tiles.prep(*ch.inputs(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref), scale, prec, put)
+  def kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref, W_ref, U_ref, qg_ref, kd_ref, Aqk_ref,
+             sdec_ref, A_ref, D_ref):
+    pr = _Program(C, block, interpret)
+
+    def put_Aqk(p, x):
+      Aqk_ref[pr.b, pr.h, pr.rows(p), :] = x.astype(Aqk_ref.dtype)
+
+    put = tiles.Prep(W=pr.put_full(W_ref), U=pr.put_full(U_ref), qg=pr.put_full(qg_ref),
+                     kd=pr.put_full(kd_ref), Aqk=put_Aqk, sdec=pr.put_per_chunk(sdec_ref))
+    tiles.prep(*pr.inputs(q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref), scale, prec,
+               pr.scratch({"A": A_ref, "D": D_ref}), put)
 
   sd = lambda *shape: jax.ShapeDtypeStruct(shape, store_dtype)
   out_shape = (sd(B, H, T, K), sd(B, H, T, V), sd(B, H, T, K), sd(B, H, T, K), sd(B, H, T, C),
-               jax.ShapeDtypeStruct((B, H, N, K), jnp.float32))
+               jax.ShapeDtypeStruct((B, H, N, K), jnp.float32)) + _scratch_shapes(B, H, T, C, 2)
   return launch(kernel, grid=(N, H, B), out_shape=out_shape, interpret=interpret, tuning=tuning,
-                name="kda_prep_fwd")(q, k, v, g, beta, doc)
+                name="kda_prep_fwd")(q, k, v, g, beta, code)[:6]
 
 
 def state_grads(states, dS_next, dO, dVp, Vp, *, block: int, prec: tiles.Precision, store_dtype,
@@ -104,23 +135,17 @@ def state_grads(states, dS_next, dO, dVp, Vp, *, block: int, prec: tiles.Precisi
   C = T // N
 
   def kernel(S_ref, dSn_ref, dO_ref, dVp_ref, Vp_ref, dW_ref, dqg_ref, dkd_ref, dAqk_ref, dsdec_ref):
-    ch = _Chunk(C, block)
-    c, h, b = ch.c, ch.h, ch.b
-    rows = pl.ds(c * C, C)
-
-    def put_c(ref):
-      def put(i, x):
-        ref[b, h, rows, ch.cols(i)] = x.astype(ref.dtype)
-      return put
+    pr = _Program(C, block, interpret)
+    c, h, b = pr.c, pr.h, pr.b
 
     def put_dAqk(x):
-      dAqk_ref[b, h, rows, :] = x.astype(dAqk_ref.dtype)
+      dAqk_ref[b, h, pr.rows(), :] = x.astype(dAqk_ref.dtype)
 
-    put = tiles.Prep(W=put_c(dW_ref), U=None, qg=put_c(dqg_ref), kd=put_c(dkd_ref), Aqk=put_dAqk,
-                     sdec=ch.put_per_chunk(dsdec_ref))
-    state_rows = lambda ref: tiles.Cols(K // block, lambda i: ref[b, h, c, ch.cols(i), :])
-    tiles.state_grads(state_rows(S_ref), state_rows(dSn_ref), dO_ref[b, rows, h, :], dVp_ref[b, h, rows, :],
-                      Vp_ref[b, h, rows, :], prec, put)
+    put = tiles.Prep(W=pr.put_full(dW_ref), U=None, qg=pr.put_full(dqg_ref), kd=pr.put_full(dkd_ref),
+                     Aqk=put_dAqk, sdec=pr.put_per_chunk(dsdec_ref))
+    state_rows = lambda ref: tiles.Cols(K // block, lambda i: ref[b, h, c, pr.cols(i), :])
+    tiles.state_grads(state_rows(S_ref), state_rows(dSn_ref), dO_ref[b, pr.rows(), h, :],
+                      dVp_ref[b, h, pr.rows(), :], Vp_ref[b, h, pr.rows(), :], prec, put)
 
   sd = lambda *shape: jax.ShapeDtypeStruct(shape, store_dtype)
   out_shape = (sd(B, H, T, K), sd(B, H, T, K), sd(B, H, T, K), sd(B, H, T, C),
@@ -129,7 +154,7 @@ def state_grads(states, dS_next, dO, dVp, Vp, *, block: int, prec: tiles.Precisi
                 name="kda_state_grads")(states, dS_next, dO, dVp, Vp)
 
 
-def prep_backward(q, k, v, g, beta, doc, dW, dU, dqg, dkd, dAqk, dsdec, *, chunk: int, block: int,
+def prep_backward(q, k, v, g, beta, code, dW, dU, dqg, dkd, dAqk, dsdec, *, chunk: int, block: int,
                   scale: float, prec: tiles.Precision, interpret: bool, tuning: Tuning):
   """Returns dq, dk, dv, dg, dbeta in the layouts and dtypes of q, k, v, g, beta.
 
@@ -138,22 +163,24 @@ def prep_backward(q, k, v, g, beta, doc, dW, dU, dqg, dkd, dAqk, dsdec, *, chunk
   B, T, H, K = q.shape
   C, N = chunk, T // chunk
 
-  def kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, dW_ref, dU_ref, dqg_ref, dkd_ref, dAqk_ref,
-             dsdec_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref):
-    ch = _Chunk(C, block)
-    c, h, b = ch.c, ch.h, ch.b
-    blocks = tiles.Tiles(ch.P, ch.P, lambda p, r: dAqk_ref[b, h, _rows(c, C, p), pl.ds(r * TILE, TILE)])
-    d = tiles.Prep(W=ch.bhtx(dW_ref), U=ch.bhtx(dU_ref), qg=ch.bhtx(dqg_ref), kd=ch.bhtx(dkd_ref),
-                   Aqk=blocks, sdec=tiles.Cols(K // block, lambda i: dsdec_ref[b, h, c, ch.cols(i)]))
+  def kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref, dW_ref, dU_ref, dqg_ref, dkd_ref, dAqk_ref,
+             dsdec_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, A_ref, D_ref, L_ref, Q_ref, K_ref):
+    pr = _Program(C, block, interpret)
+    c, h, b = pr.c, pr.h, pr.b
+    d = tiles.Prep(W=pr.bhtx(dW_ref), U=pr.bhtx(dU_ref), qg=pr.bhtx(dqg_ref), kd=pr.bhtx(dkd_ref),
+                   Aqk=lambda: dAqk_ref[b, h, pr.rows(), :],
+                   sdec=tiles.Cols(K // block, lambda i: dsdec_ref[b, h, c, pr.cols(i)]))
 
-    def put_db(p, x):
-      db_ref[b, _rows(c, C, p), h] = x.astype(db_ref.dtype)
+    def put_db(x):
+      db_ref[b, pr.rows(), h] = x.astype(db_ref.dtype)
 
-    put = tiles.Grads(q=ch.put_btx(dq_ref), k=ch.put_btx(dk_ref), v=ch.put_btx(dv_ref), g=ch.put_btx(dg_ref),
-                      b=put_db)
-    tiles.prep_vjp(*ch.inputs(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref), scale, prec, d, put)
+    put = tiles.Grads(q=pr.put_tile_btx(dq_ref), k=pr.put_tile_btx(dk_ref), v=pr.put_full(dv_ref, "btx"),
+                      g=pr.put_tile_btx(dg_ref), b=put_db)
+    scratch = pr.scratch({"A": A_ref, "D": D_ref, "L": L_ref, "Q": Q_ref, "K": K_ref})
+    tiles.prep_vjp(*pr.inputs(q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref), scale, prec, d, scratch,
+                   put)
 
   like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-  return launch(kernel, grid=(N, H, B), out_shape=tuple(like(x) for x in (q, k, v, g, beta)),
-                interpret=interpret, tuning=tuning, name="kda_prep_bwd")(
-                    q, k, v, g, beta, doc, dW, dU, dqg, dkd, dAqk, dsdec)
+  out_shape = tuple(like(x) for x in (q, k, v, g, beta)) + _scratch_shapes(B, H, T, C, 5)
+  return launch(kernel, grid=(N, H, B), out_shape=out_shape, interpret=interpret, tuning=tuning,
+                name="kda_prep_bwd")(q, k, v, g, beta, code, dW, dU, dqg, dkd, dAqk, dsdec)[:5]

@@ -1,20 +1,21 @@
-"""Per-chunk KDA math on 16-row register tiles, shared by the Pallas kernels (DESIGN §2 "Chunked form").
+"""Per-chunk KDA math for the Pallas kernels (DESIGN §2 "Chunked form").
 
-One chunk of C = P * 16 rows: q, k, g [C,K], v [C,V], b [C], and a row code [C] int32: 2 * doc + reset,
+One chunk of C = P * 16 rows: q, k, g [C,K], v [C,V], b [C], and a row code [C] int32 = 2 * doc + reset,
 doc the index of the row's document inside the chunk (0 = the document the incoming state belongs to)
-and reset whether a document starts at that row. Operands arrive as tiles
-(`Tiles.get(p, i)` -> rows 16p.., column block i, [16,BK]) and results leave through sinks
-(put(p, i, tile)), so a kernel holds a few small tiles at a time and never slices a value (the Triton
-side cannot). Per-channel quantities (G and the decay factors) are independent across column blocks;
-only the 16x16 score blocks are summed over them; column blocks are walked by loops.
+and reset whether a document starts at that row. Operands are read by column block i, either whole
+(`full(i)` -> [C,BK]) or as a 16-row tile (`tile(p, i)` -> [16,BK]); column blocks are walked by loops.
+Triton values cannot be sliced or concatenated, so [C,C] work matrices that are built by 16-row strips
+and used whole (or by column strips) go through a global-memory `Scratch` of the same program, with a
+barrier between writing and reading.
 
-Scores: block (p, r), r <= p, anchored on row tile p's first row a:
-  S[i,j] = sum_d (x_id e^{G_id - G_ad}) (k_jd e^{G_ad - G_jd}).
-With g >= -5 both exponents are within [-75, 75] on the diagonal block (r = p) and <= 0 for r < p, so
-every block is a dense dot; blocks r > p are never formed. The anchor is the first row because a later
-one would make a row's score depend on gates after it.
-Solve: (I + A_kk) is block lower-triangular; its 16x16 diagonal blocks are inverted by doubling and the
-rest is block forward (and, for the VJP, transposed backward) substitution.
+Scores by 16-row strip p, anchored on the strip's first row a:
+  S[i,j] = sum_d (x_id e^{G_id - G_ad}) (k_jd e^{G_ad - G_jd}),  j up to the end of strip p.
+With g >= -5 both exponents are within [-75, 75] on the diagonal tile and <= 0 before it, so every
+strip is one dense dot; columns after the strip are cut before the exp. The anchor is the first row
+because a later one would make a row's score depend on gates after it. The VJP's column side uses the
+column strip's first row as anchor, so its factors are bounded the same way.
+Solve: (I + A_kk)^{-1} by doubling: 16x16 diagonal blocks first, then 32 and 64 (X - X A_s X, A_s the
+lower-left part of each 2s block): blocked forward substitution, stable where a Neumann series is not.
 """
 
 from collections.abc import Callable
@@ -41,14 +42,29 @@ def precision_for(dtype) -> Precision:
           else Precision("f32", "f32", "f32"))
 
 
-class Tiles(NamedTuple):
-  P: int                                # row tiles
-  n: int                                # column blocks
-  get: Callable[[int, int], Any]        # (p, i) -> [16, BK]
+class Chunk(NamedTuple):
+  """One operand of one chunk: n column blocks, full(i) -> [C,BK], tile(p, i) -> rows 16p.., [16,BK]."""
+  n: int
+  full: Callable
+  tile: Callable
 
 
 class Rows(NamedTuple):
-  get: Callable[[int], Any]             # p -> [16]
+  """A per-row vector of one chunk: full() -> [C], tile(p) -> [16]."""
+  full: Callable
+  tile: Callable
+
+
+class Scratch(NamedTuple):
+  """[C,C] float32 work matrices in global memory, by name; `barrier` orders writes before reads."""
+  put_rows: Callable   # (name, p, [16,C])
+  put_block: Callable  # (name, p, r, [16,16])
+  put_full: Callable   # (name, [C,C])
+  full: Callable       # name -> [C,C]
+  rows: Callable       # (name, p) -> [16,C]
+  cols: Callable       # (name, t) -> [C,16]
+  block: Callable      # (name, p, r) -> [16,16]
+  barrier: Callable
 
 
 def _f32(x):
@@ -67,7 +83,7 @@ def _iota(shape, dim):
 
 
 def _row(x, i):
-  """Row i of a tile as [BK], by a masked sum (values cannot be sliced on the Triton side)."""
+  """Row i as [BK], by a masked sum (values cannot be sliced on the Triton side)."""
   return jnp.sum(jnp.where(_iota(x.shape, 0) == i, x, 0.0), axis=0)
 
 
@@ -76,133 +92,108 @@ def _colsum(x):
 
 
 class Docs(NamedTuple):
-  doc: list          # per row tile [16] int32
-  reset: list        # per row tile [16,1]: a document starts at this row (inside the chunk)
-  carried: list      # per row tile [16,1]: row continues the incoming state's document
-  last: list         # per row tile [16,1]: row is in the chunk's last document (feeds the next state)
-  whole: Any         # the whole chunk continues the incoming document
+  doc: Any       # [C] document index in the chunk
+  last: Any      # index of the chunk's last document
+  carried: Any   # [C,1] row continues the incoming state's document
+  in_last: Any   # [C,1] row is in the chunk's last document (feeds the next state)
+  whole: Any     # the whole chunk continues the incoming document
 
 
-def docs(code: Rows, P: int) -> Docs:
-  """Row codes are 2 * doc + reset (see pallas_op)."""
-  codes = [code.get(p) for p in range(P)]
-  d = [c // 2 for c in codes]
-  last = jnp.max(d[P - 1])
-  return Docs(d, [(c % 2 == 1)[:, None] for c in codes], [(x == 0)[:, None] for x in d],
-              [(x == last)[:, None] for x in d], last == 0)
+def docs(code: Rows) -> Docs:
+  doc = code.full() // 2
+  last = jnp.max(doc)
+  return Docs(doc, last, (doc == 0)[:, None], (doc == last)[:, None], last == 0)
 
 
-def block_mask(dm: Docs, p: int, r: int, strict: bool):
-  """Score block (p, r) entries that exist: same document, and causal on the diagonal block."""
-  same = dm.doc[p][:, None] == dm.doc[r][None, :]
-  if r < p:
-    return same
-  rows, cols = _iota((TILE, TILE), 0), _iota((TILE, TILE), 1)
-  return same & ((cols < rows) if strict else (cols <= rows))
+def _strip_mask(dm: Docs, code: Rows, p: int, strict: bool):
+  """[16,C]: entries (i in strip p, j) of the same document with j < i (strict) or j <= i."""
+  C = dm.doc.shape[0]
+  i = p * TILE + _iota((TILE, C), 0)
+  j = _iota((TILE, C), 1)
+  same = (code.tile(p) // 2)[:, None] == dm.doc[None, :]
+  return same & ((j < i) if strict else (j <= i))
 
 
-def gates(g: Tiles, i: int):
-  """Per row tile: G (in-chunk inclusive cumsum of g) and its first row Ga; and G_C (last row)."""
-  G, Ga = [], []
-  prefix = None
-  for p in range(g.P):
-    G_p = jnp.cumsum(_f32(g.get(p, i)), axis=0)
-    if prefix is not None:
-      G_p = G_p + prefix[None, :]
-    G.append(G_p)
-    Ga.append(_row(G_p, 0))
-    prefix = _row(G_p, TILE - 1)
-  return G, Ga, prefix
+def _full_mask(dm: Docs, strict: bool):
+  C = dm.doc.shape[0]
+  i, j = _iota((C, C), 0), _iota((C, C), 1)
+  same = dm.doc[:, None] == dm.doc[None, :]
+  return same & ((j < i) if strict else (j <= i))
 
 
-def _decay(Ga_K, G):
-  """e^{G_a - G_j} for row tile p's anchor a: within [1, e^75] on tile p itself, <= 1 on earlier tiles."""
-  return jnp.exp(Ga_K[None, :] - G)
+def _local_gates(g: Chunk, p: int, i: int):
+  """G_i - G_a for the rows of tile p and its first row a, from the tile's own gates."""
+  cs = jnp.cumsum(_f32(g.tile(p, i)), axis=0)
+  return cs - _row(cs, 0)[None, :]
 
 
-def scores(q: Tiles | None, k: Tiles, g: Tiles, prec: Precision):
-  """Unmasked score blocks S_qk[p][r], S_kk[p][r] for r <= p (S_qk skipped when q is None)."""
-  P = k.P
-  zero = jnp.zeros((TILE, TILE), jnp.float32)
+def _from_anchor(G, Ga, p, C):
+  """e^{G_a - G_j} for strip p's anchor a and rows j up to the end of the strip, else 0."""
+  return jnp.exp(jnp.where(_iota((C, 1), 0) < (p + 1) * TILE, Ga[None, :] - G, -jnp.inf))
+
+
+def _to_anchor(G, Ga, t, C):
+  """e^{G_i - G_a} for column strip t's anchor a (its first row) and rows i from a on, else 0."""
+  return jnp.exp(jnp.where(_iota((C, 1), 0) >= t * TILE, G - Ga[None, :], -jnp.inf))
+
+
+def score_strips(q: Chunk | None, k: Chunk, g: Chunk, prec: Precision):
+  """Unmasked S_qk, S_kk by 16-row strips [16,C] (S_qk skipped when q is None)."""
+  C = k.full(0).shape[0]
+  P = C // TILE
+  zero = jnp.zeros((TILE, C), jnp.float32)
 
   def body(i, acc):
-    Sqk, Skk = [list(x) for x in acc[0]], [list(x) for x in acc[1]]
-    G, Ga, _ = gates(g, i)
-    ks = [_f32(k.get(r, i)) for r in range(P)]
+    Sqk, Skk = list(acc[0]), list(acc[1])
+    G = jnp.cumsum(_f32(g.full(i)), axis=0)
+    kf = _f32(k.full(i))
     for p in range(P):
-      Erow = jnp.exp(G[p] - Ga[p][None, :])
-      kE = ks[p] * Erow
-      qE = None if q is None else _f32(q.get(p, i)) * Erow
-      for r in range(p + 1):
-        kc = ks[r] * _decay(Ga[p], G[r])
-        Skk[p][r] = Skk[p][r] + dot_nt(kE, kc, prec.big)
-        if q is not None:
-          Sqk[p][r] = Sqk[p][r] + dot_nt(qE, kc, prec.big)
-    return tuple(map(tuple, Sqk)), tuple(map(tuple, Skk))
+      kc = kf * _from_anchor(G, _row(G, p * TILE), p, C)
+      Erow = jnp.exp(_local_gates(g, p, i))
+      Skk[p] = Skk[p] + dot_nt(_f32(k.tile(p, i)) * Erow, kc, prec.big)
+      if q is not None:
+        Sqk[p] = Sqk[p] + dot_nt(_f32(q.tile(p, i)) * Erow, kc, prec.big)
+    return tuple(Sqk), tuple(Skk)
 
-  init = tuple(tuple([zero] * (p + 1)) for p in range(P))
-  Sqk, Skk = _loop(k.n, body, (init, init))
-  return Sqk, Skk
+  return _loop(k.n, body, ((zero,) * P, (zero,) * P))
 
 
 def _inverse16(A, prec: Precision):
-  """(I + A)^{-1} for a strictly lower-triangular 16x16 A, by doubling the inverted diagonal blocks.
+  """(I + A)^{-1} for a strictly lower-triangular 16x16 A, by doubling (see the module docstring)."""
+  X = (_iota((TILE, TILE), 0) == _iota((TILE, TILE), 1)).astype(jnp.float32)
+  return _double(X, A, 1, prec)
 
-  With X the inverse of the s-blocks, the 2s-block inverse is X - X A_s X, A_s the lower-left s x s part
-  of each 2s-block: the blocked forward substitution, stable where a Neumann series is not.
-  """
-  rows, cols = _iota((TILE, TILE), 0), _iota((TILE, TILE), 1)
-  X = (rows == cols).astype(jnp.float32)
-  s = 1
-  while s < TILE:
+
+def _double(X, A, s, prec: Precision):
+  """From X = inverse of the s-blocks of I + A to the inverse of the whole matrix."""
+  n = A.shape[0]
+  rows, cols = _iota((n, n), 0), _iota((n, n), 1)
+  while s < n:
     lower_left = (rows // (2 * s) == cols // (2 * s)) & (rows % (2 * s) >= s) & (cols % (2 * s) < s)
     X = X - dot(dot(X, jnp.where(lower_left, A, 0.0), prec.solve), X, prec.solve)
     s *= 2
   return X
 
 
-class Solver(NamedTuple):
-  """L = I + A_kk as 16x16 blocks A[p][r] (r < p) and diagonal-block inverses Dinv[p]."""
-  A: list
-  Dinv: list
-
-  def lower(self, Y, prec: Precision):
-    """X = L^{-1} Y by block forward substitution; Y, X: lists of [16,W] row tiles."""
-    X = []
-    for p, Y_p in enumerate(Y):
-      for r in range(p):
-        Y_p = Y_p - dot(self.A[p][r], X[r], prec.solve)
-      X.append(dot(self.Dinv[p], Y_p, prec.solve))
-    return X
-
-  def upper_t(self, Y, prec: Precision):
-    """X = L^{-T} Y by block backward substitution."""
-    P = len(Y)
-    X = [None] * P
-    for p in reversed(range(P)):
-      Y_p = Y[p]
-      for m in range(p + 1, P):
-        Y_p = Y_p - dot_tn(self.A[m][p], X[m], prec.solve)
-      X[p] = dot_tn(self.Dinv[p], Y_p, prec.solve)
-    return X
-
-
-def _setup(q, k, g, b: Rows, dm: Docs, prec: Precision):
-  """Score blocks, b per tile, and the solver for (I + A_kk) with A_kk = b * mask * S_kk."""
-  P = k.P
-  Sqk, Skk = scores(q, k, g, prec)
-  bs = [_f32(b.get(p))[:, None] for p in range(P)]
-  A = [[jnp.where(block_mask(dm, p, r, strict=True), bs[p] * Skk[p][r], 0.0) for r in range(p + 1)]
-       for p in range(P)]
-  return Sqk, Skk, bs, Solver(A, [_inverse16(A[p][p], prec) for p in range(P)])
+def solve_setup(Skk, b: Rows, code: Rows, dm: Docs, scratch: Scratch, prec: Precision):
+  """Linv = (I + A_kk)^{-1}, A_kk = b * strict * S_kk. Leaves strict * S_kk in scratch "A"."""
+  P = len(Skk)
+  C = P * TILE
+  for p in range(P):
+    scratch.put_rows("A", p, jnp.where(_strip_mask(dm, code, p, strict=True), Skk[p], 0.0))
+  scratch.barrier()
+  for p in range(P):
+    Dinv = _inverse16(_f32(b.tile(p))[:, None] * scratch.block("A", p, p), prec)
+    for r in range(P):
+      scratch.put_block("D", p, r, Dinv if r == p else jnp.zeros((TILE, TILE), jnp.float32))
+  scratch.barrier()
+  return _double(scratch.full("D"), _f32(b.full())[:, None] * scratch.full("A"), TILE, prec) if C > TILE \
+      else scratch.full("D")
 
 
 class Prep(NamedTuple):
-  """Per chunk, what the state pass needs (scale folded into qg and Aqk): sinks or sources.
-
-  W, qg, kd by (row tile, K block), U by (row tile, V block), Aqk by score block (p, r) for all
-  p, r < P (zero above the diagonal), sdec [BK] by K block.
-  """
+  """Per chunk, what the state pass needs (scale folded into qg and Aqk), as sinks or sources:
+  W, qg, kd [C,BK] and sdec [BK] by K block, U [C,BK] by V block, Aqk by 16-row strip [16,C]."""
   W: Any
   U: Any
   qg: Any
@@ -211,33 +202,28 @@ class Prep(NamedTuple):
   sdec: Any
 
 
-def prep(q: Tiles, k: Tiles, v: Tiles, g: Tiles, b: Rows, doc: Rows, scale: float, prec: Precision,
-         put: Prep):
+def prep(q: Chunk, k: Chunk, v: Chunk, g: Chunk, b: Rows, code: Rows, scale: float, prec: Precision,
+         scratch: Scratch, put: Prep):
   """One chunk's W, U, qg, kd, A_qk, sdec (DESIGN §2), float32, handed to the sinks in `put`."""
-  P = k.P
-  dm = docs(doc, P)
-  Sqk, _, bs, solver = _setup(q, k, g, b, dm, prec)
-  for p in range(P):
-    for r in range(P):
-      put.Aqk(p, r, jnp.where(block_mask(dm, p, r, strict=False), scale * Sqk[p][r], 0.0) if r <= p
-              else jnp.zeros((TILE, TILE), jnp.float32))
+  dm = docs(code)
+  Sqk, Skk = score_strips(q, k, g, prec)
+  for p in range(len(Sqk)):
+    put.Aqk(p, jnp.where(_strip_mask(dm, code, p, strict=False), scale * Sqk[p], 0.0))
+  Linv = solve_setup(Skk, b, code, dm, scratch, prec)
+  b_C1 = _f32(b.full())[:, None]
 
   def w_block(i, carry):
-    G, _, GC = gates(g, i)
-    eG = [jnp.exp(G_p) for G_p in G]
-    ks = [_f32(k.get(p, i)) for p in range(P)]
-    W = solver.lower([bs[p] * ks[p] * eG[p] for p in range(P)], prec)
-    for p in range(P):
-      put.W(p, i, jnp.where(dm.carried[p], W[p], 0.0))
-      put.qg(p, i, jnp.where(dm.carried[p], scale * _f32(q.get(p, i)) * eG[p], 0.0))
-      put.kd(p, i, jnp.where(dm.last[p], ks[p] * jnp.exp(GC[None, :] - G[p]), 0.0))
+    G = jnp.cumsum(_f32(g.full(i)), axis=0)
+    GC = _row(G, G.shape[0] - 1)
+    eG, kf = jnp.exp(G), _f32(k.full(i))
+    put.W(i, jnp.where(dm.carried, dot(Linv, b_C1 * kf * eG, prec.solve), 0.0))
+    put.qg(i, jnp.where(dm.carried, scale * _f32(q.full(i)) * eG, 0.0))
+    put.kd(i, jnp.where(dm.in_last, kf * jnp.exp(GC[None, :] - G), 0.0))
     put.sdec(i, jnp.where(dm.whole, jnp.exp(GC), 0.0))
     return carry
 
   def u_block(i, carry):
-    U = solver.lower([bs[p] * _f32(v.get(p, i)) for p in range(P)], prec)
-    for p in range(P):
-      put.U(p, i, U[p])
+    put.U(i, dot(Linv, b_C1 * _f32(v.full(i)), prec.solve))
     return carry
 
   _loop(k.n, w_block, 0)
@@ -250,7 +236,7 @@ class Cols(NamedTuple):
 
 
 def state_grads(S: Cols, dSn: Cols, dO_CV, dVp_CV, Vp_CV, prec: Precision, put: Prep):
-  """Cotangents of one chunk's Prep (except dU = dV') from the state pass, on whole-chunk rows.
+  """Cotangents of one chunk's Prep (except dU = dV') from the state pass.
 
   S and dSn: the incoming state and the cotangent of the outgoing one, as [BK,V] row blocks.
   With V' = U - W S, O = qg S + A_qk V', S_next = sdec * S + kd^T V':
@@ -271,7 +257,7 @@ def state_grads(S: Cols, dSn: Cols, dO_CV, dVp_CV, Vp_CV, prec: Precision, put: 
 
 
 class Grads(NamedTuple):
-  """Sinks for the input cotangents: dq, dk, dg by (row tile, K block), dv by V block, db by row tile."""
+  """Sinks: dq, dk, dg by (16-row tile, K block), dv [C,BK] by V block, db [C]."""
   q: Callable
   k: Callable
   v: Callable
@@ -279,7 +265,7 @@ class Grads(NamedTuple):
   b: Callable
 
 
-def _route_to_gates(dm: Docs, dG: list, dGC, prec_exact: str):
+def _route_to_gates(code: Rows, dG: list, dGC, prec_exact: str):
   """dg_i = sum of dG_j over later rows j of i's own document (+ dG_C for the last document).
 
   G of a document that starts inside the chunk sums only that document's gates after its first row, so
@@ -292,97 +278,96 @@ def _route_to_gates(dm: Docs, dG: list, dGC, prec_exact: str):
   dg = [None] * P
   after = dGC
   for p in reversed(range(P)):
-    doc = dm.doc[p]
+    c = code.tile(p)
+    doc = c // 2
     same_later = ((cols >= rows) & (doc[:, None] == doc[None, :])).astype(jnp.float32)
     dg_p = dot(same_later, dG[p], prec_exact) + jnp.where((doc == jnp.max(doc))[:, None], after[None, :], 0.0)
-    dg[p] = jnp.where(dm.reset[p], 0.0, dg_p)
+    dg[p] = jnp.where((c % 2 == 1)[:, None], 0.0, dg_p)
     if p:
-      prev_last = jnp.max(dm.doc[p - 1])
+      prev_last = jnp.max(code.tile(p - 1) // 2)
       after = (_colsum(jnp.where((doc == prev_last)[:, None], dG[p], 0.0))
                + jnp.where(prev_last == jnp.max(doc), after, 0.0))
   return dg
 
 
-def prep_vjp(q: Tiles, k: Tiles, v: Tiles, g: Tiles, b: Rows, doc: Rows, scale: float, prec: Precision,
-             d: Prep, put: Grads):
-  """Cotangents of (q, k, v, g, b) from those of prep's outputs (d: sources shaped like prep's sinks).
+def prep_vjp(q: Chunk, k: Chunk, v: Chunk, g: Chunk, b: Rows, code: Rows, scale: float, prec: Precision,
+             d: Prep, scratch: Scratch, put: Grads):
+  """Cotangents of (q, k, v, g, b) from those of prep's outputs (d: sources shaped like prep's sinks,
+  except d.Aqk() -> the whole [C,C]).
 
   Hand-derived so that it stays dots and element-wise math:
-    dR = L^{-T} dWU,  dA_kk = -mask(dR WU^T),  and for S[i,j] = sum_d x_id y_jd e^{G_id - G_jd}
+    dR = Linv^T dWU,  dA_kk = -mask(dR WU^T),  and for S[i,j] = sum_d x_id y_jd e^{G_id - G_jd}
     dG = x * dx - y * dy, which avoids differentiating the decay factors one by one.
   """
-  P = k.P
-  dm = docs(doc, P)
-  _, Skk, bs, solver = _setup(None, k, g, b, dm, prec)
-  dWc = lambda p, i: jnp.where(dm.carried[p], _f32(d.W.get(p, i)), 0.0)
+  dm = docs(code)
+  _, Skk = score_strips(None, k, g, prec)
+  P = len(Skk)
+  C = P * TILE
+  Linv = solve_setup(Skk, b, code, dm, scratch, prec)
+  scratch.put_full("L", Linv)
+  b_C1 = _f32(b.full())[:, None]
+  dWc = lambda i: jnp.where(dm.carried, _f32(d.W.full(i)), 0.0)
 
-  # Through W = L^{-1} (b k e^G) (carried rows) and U = L^{-1} (b v): dA_kk and the direct parts of db.
-  def accumulate(carry, X, dR, Y):
-    acc, db = [list(x) for x in carry[0]], list(carry[1])
-    for p in range(P):
-      for r in range(p + 1):
-        acc[p][r] = acc[p][r] + dot_nt(dR[p], X[r], prec.solve)
-      db[p] = db[p] + jnp.sum(dR[p] * Y[p], axis=1)
-    return tuple(map(tuple, acc)), tuple(db)
-
+  # Through W = Linv (b k e^G) (carried rows) and U = Linv (b v): dA_kk and the direct parts of db.
   def k_block(i, carry):
-    G, _, _ = gates(g, i)
-    kg = [_f32(k.get(p, i)) * jnp.exp(G[p]) for p in range(P)]
-    return accumulate(carry, solver.lower([bs[p] * kg[p] for p in range(P)], prec),
-                      solver.upper_t([dWc(p, i) for p in range(P)], prec), kg)
+    acc, db = carry
+    kg = _f32(k.full(i)) * jnp.exp(jnp.cumsum(_f32(g.full(i)), axis=0))
+    dR = dot_tn(Linv, dWc(i), prec.solve)
+    acc = acc + dot_nt(dR, dot(Linv, b_C1 * kg, prec.solve), prec.solve)
+    return acc, db + jnp.sum(dR * kg, axis=1)
 
   def v_block(i, carry):
-    vs = [_f32(v.get(p, i)) for p in range(P)]
-    dR = solver.upper_t([_f32(d.U.get(p, i)) for p in range(P)], prec)
-    for p in range(P):
-      put.v(p, i, bs[p] * dR[p])
-    return accumulate(carry, solver.lower([bs[p] * vs[p] for p in range(P)], prec), dR, vs)
+    acc, db = carry
+    vf = _f32(v.full(i))
+    dR = dot_tn(Linv, _f32(d.U.full(i)), prec.solve)
+    put.v(i, b_C1 * dR)
+    acc = acc + dot_nt(dR, dot(Linv, b_C1 * vf, prec.solve), prec.solve)
+    return acc, db + jnp.sum(dR * vf, axis=1)
 
-  carry = (tuple(tuple([jnp.zeros((TILE, TILE), jnp.float32)] * (p + 1)) for p in range(P)),
-           tuple([jnp.zeros((TILE,), jnp.float32)] * P))
+  carry = (jnp.zeros((C, C), jnp.float32), jnp.zeros((C,), jnp.float32))
   acc, db = _loop(v.n, v_block, _loop(k.n, k_block, carry))
-  dPkk, dPqk = [], []
-  for p in range(P):
-    dA = [-jnp.where(block_mask(dm, p, r, strict=True), acc[p][r], 0.0) for r in range(p + 1)]
-    put.b(p, db[p] + sum(jnp.sum(dA[r] * Skk[p][r], axis=1) for r in range(p + 1)))
-    dPkk.append([bs[p] * dA[r] for r in range(p + 1)])
-    dPqk.append([jnp.where(block_mask(dm, p, r, strict=False), scale * _f32(d.Aqk.get(p, r)), 0.0)
-                 for r in range(p + 1)])
+  dA = -jnp.where(_full_mask(dm, strict=True), acc, 0.0)
+  put.b(db + jnp.sum(dA * scratch.full("A"), axis=1))
+  scratch.put_full("K", b_C1 * dA)
+  scratch.put_full("Q", jnp.where(_full_mask(dm, strict=False), scale * _f32(d.Aqk()), 0.0))
+  scratch.barrier()
 
   def g_block(i, carry):
-    G, Ga, GC = gates(g, i)
-    qs = [_f32(q.get(p, i)) for p in range(P)]
-    ks = [_f32(k.get(p, i)) for p in range(P)]
-    eG = [jnp.exp(G_p) for G_p in G]
-    dR = solver.upper_t([dWc(p, i) for p in range(P)], prec)
+    G = jnp.cumsum(_f32(g.full(i)), axis=0)
+    GC = _row(G, C - 1)
+    qf, kf = _f32(q.full(i)), _f32(k.full(i))
+    dWf = dWc(i)
     # kd = k e^{G_C - G} (last document), sdec = e^{G_C} (whole chunk): their G_C part reaches every g.
-    dkd = [jnp.where(dm.last[p], _f32(d.kd.get(p, i)) * jnp.exp(GC[None, :] - G[p]), 0.0) for p in range(P)]
-    dGC = (sum(_colsum(dkd[p] * ks[p]) for p in range(P))
-           + jnp.where(dm.whole, _f32(d.sdec.get(i)) * jnp.exp(GC), 0.0))
-    dG = [None] * P
-    # Row tiles from the last: column-side score cotangents of tile p are complete once tiles >= p ran.
-    dkc = [jnp.zeros_like(ks[0])] * P
-    for p in reversed(range(P)):
-      Erow = jnp.exp(G[p] - Ga[p][None, :])
-      qE, kE = qs[p] * Erow, ks[p] * Erow
-      dqE = dkE = jnp.zeros_like(qE)
-      for r in range(p + 1):
-        cf = _decay(Ga[p], G[r])
-        kc = ks[r] * cf
-        dqE = dqE + dot(dPqk[p][r], kc, prec.dscore)
-        dkE = dkE + dot(dPkk[p][r], kc, prec.dscore)
-        dkc[r] = dkc[r] + (dot_tn(dPqk[p][r], qE, prec.dscore) + dot_tn(dPkk[p][r], kE, prec.dscore)) * cf
+    dkd_f = jnp.where(dm.in_last, _f32(d.kd.full(i)) * jnp.exp(GC[None, :] - G), 0.0)
+    dGC = _colsum(dkd_f * kf) + jnp.where(dm.whole, _f32(d.sdec.get(i)) * jnp.exp(GC), 0.0)
+    dG = []
+    for t in range(P):
+      Ga = _row(G, t * TILE)
+      # Row side of strip t: dx = (dP[t] @ k e^{G_a - G}) e^{G - G_a}.
+      kc = kf * _from_anchor(G, Ga, t, C)
+      dqE = dot(scratch.rows("Q", t), kc, prec.dscore)
+      dkE = dot(scratch.rows("K", t), kc, prec.dscore)
+      # Column side of strip t: dy = (dP[:,t]^T @ x e^{G - G_a}) e^{G_a - G}.
+      xe = _to_anchor(G, Ga, t, C)
+      loc = _local_gates(g, t, i)
+      dkc = (dot_tn(scratch.cols("Q", t), qf * xe, prec.dscore)
+             + dot_tn(scratch.cols("K", t), kf * xe, prec.dscore)) * jnp.exp(-loc)
+      Erow = jnp.exp(loc)
+      q_t, k_t = _f32(q.tile(t, i)), _f32(k.tile(t, i))
+      G_t = Ga[None, :] + loc
+      eG_t = jnp.exp(G_t)
       dq = dqE * Erow
       dk_row = dkE * Erow
-      dk_sol = bs[p] * dR[p] * eG[p]
-      # qg = scale q e^G (carried rows).
-      dqg = jnp.where(dm.carried[p], scale * _f32(d.qg.get(p, i)) * eG[p], 0.0)
-      dG[p] = (dk_sol * ks[p] + qs[p] * dq + ks[p] * dk_row - ks[p] * dkc[p] + dqg * qs[p]
-               - dkd[p] * ks[p])
-      put.q(p, i, dq + dqg)
-      put.k(p, i, dk_sol + dk_row + dkc[p] + dkd[p])
-    for p, dg in enumerate(_route_to_gates(dm, dG, dGC, "f32")):
-      put.g(p, i, dg)
+      dk_sol = _f32(b.tile(t))[:, None] * dot_tn(scratch.cols("L", t), dWf, prec.solve) * eG_t
+      code_t = code.tile(t)
+      dqg = jnp.where((code_t // 2 == 0)[:, None], scale * _f32(d.qg.tile(t, i)) * eG_t, 0.0)
+      dkd = jnp.where((code_t // 2 == dm.last)[:, None], _f32(d.kd.tile(t, i)) * jnp.exp(GC[None, :] - G_t),
+                      0.0)
+      dG.append(dk_sol * k_t + q_t * dq + k_t * dk_row - k_t * dkc + dqg * q_t - dkd * k_t)
+      put.q(t, i, dq + dqg)
+      put.k(t, i, dk_sol + dk_row + dkc + dkd)
+    for t, dg in enumerate(_route_to_gates(code, dG, dGC, "f32")):
+      put.g(t, i, dg)
     return carry
 
   _loop(k.n, g_block, 0)
