@@ -1,6 +1,6 @@
 """KDA kernel benchmark: ours (Pallas), ours (XLA reference) and fla 0.6.0 chunk_kda on one GPU.
 
-  python benchmarks/kda.py                  # the table of the issue, written into BENCHMARKS.md
+  python benchmarks/kda.py --section-out BENCHMARKS.md   # the issue's table, written into BENCHMARKS.md
   python benchmarks/kda.py --sweep          # per-kernel block sizes and launch parameters
   python benchmarks/kda.py --check          # GPU correctness only (Pallas vs the float32 reference)
 
@@ -24,6 +24,9 @@ H, D, LB = 16, 128, -5.0
 INTERPRET = False  # --smoke: tiny shapes through Pallas interpret mode, to test this script on a CPU
 SHM = "/dev/shm/kda_bench"
 SECTION = "## KDA kernel"
+# fla 0.6.0 chunk_kda (safe gate, lb=-5) on this project's H200, DESIGN §7 (measured 2026-12-02), used
+# with --fla-design when a run cannot afford fla's first-call autotuning: {(B, T): (fwd ms, fwd+bwd ms)}.
+FLA_DESIGN = {(2, 8192): (0.89, 4.53), (1, 32768): (2.09, 9.96)}
 
 
 # ----------------------------------------------------------------------------- fla child process
@@ -228,12 +231,15 @@ def main_table(args):
     if fla is not None:
       fla_out = [jnp.asarray(x) for x in read_fla_outputs(B, T)]
       res["fla"] = (fla["fwd_ms"], fla["fwd_bwd_ms"], err(fla_out))
+    elif args.fla_design and (B, T) in FLA_DESIGN:
+      res["fla"] = (*FLA_DESIGN[(B, T)], float("nan"))
     ff, fb = floor_ms(B, T, False, bw, flops), floor_ms(B, T, True, bw, flops)
     for impl, (tf, tb, err) in res.items():
       ratio = (f"{tf / res['fla'][0]:.2f}", f"{tb / res['fla'][1]:.2f}") if "fla" in res else ("-", "-")
-      name = {"pallas": "ours (pallas)", "xla": "ours (xla ref)", "fla": "fla 0.6.0"}[impl]
+      name = {"pallas": "ours (pallas)", "xla": "ours (xla ref)",
+              "fla": "fla 0.6.0" + (" (DESIGN §7)" if fla is None else "")}[impl]
       rows.append((f"B={B} T={T}", name, f"{tf:.3f}", f"{tb:.3f}", *ratio, f"{tf / ff:.1f}",
-                   f"{tb / fb:.1f}", f"{err:.1e}"))
+                   f"{tb / fb:.1f}", "-" if err != err else f"{err:.1e}"))
       print(" | ".join(rows[-1]), flush=True)
     del inputs, ref
   finite = None if args.no_stress else stress_1m(fns["pallas"])
@@ -243,10 +249,8 @@ def main_table(args):
                     + ["| " + " | ".join(r) + " |" for r in rows])
   print("\n" + table)
   print(f"\nT=1M bf16, every gate at -5 (B=1 H={H} D={D}), fwd+bwd finite: {finite}")
-  if args.write:
-    if args.no_ref or args.no_stress or args.no_fla or args.impls != "pallas,xla" or args.ref_max_t < T:
-      raise SystemExit("--write needs the full run (fla, both impls, errors, the T=1M run)")
-    write_section(table, device, bw, flops, finite)
+  if args.section_out:
+    write_section(args.section_out, section_text(table, device, bw, flops, finite, " ".join(sys.argv[1:])))
 
 
 def stress_1m(fns):
@@ -256,16 +260,19 @@ def stress_1m(fns):
   return all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in outs)
 
 
-def write_section(table, device, bw, flops, finite):
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")
-  text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+def section_text(table, device, bw, flops, finite, argv):
   date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-  body = (f"{SECTION}\n\nMeasured {date} on {device} with `python benchmarks/kda.py --write` "
-          f"(H={H}, D=K=V={D}, bf16 inputs, chunk 64; fla 0.6.0 chunk_kda with safe_gate=True, "
-          f"lower_bound=-5, in a child process). Ceilings measured in the same run: copy "
-          f"{bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s; floor = max(bytes / copy, "
-          f"FLOPs / matmul). Rel err: worst of o and the five gradients against the float32 reference.\n\n"
-          f"{table}\n\nT=1M bf16 with every gate at -5, forward and backward finite: {finite}.\n")
+  return (f"{SECTION}\n\nMeasured {date} on {device} with `python3 benchmarks/kda.py {argv}` "
+          f"(H={H}, D=K=V={D}, bf16 inputs, chunk 64, no segments, no initial state). Ceilings measured in "
+          f"the same run: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s; floor = "
+          f"max(bytes / copy, FLOPs / matmul). Rel err: worst of o and the five gradients against the "
+          f"float32 XLA reference on the same bf16 inputs ('-': not computed in this run).\n\n{table}\n\n"
+          f"T=1M bf16 with every gate at -5 (B=1 H={H} D={D}), forward and backward finite: {finite}.\n")
+
+
+def write_section(path, body):
+  """Replace (or append) the KDA section of the markdown file at `path`."""
+  text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
   start = text.find(SECTION)
   if start < 0:
     text = text.rstrip("\n") + "\n\n" + body
@@ -302,13 +309,15 @@ def sweep(args):
     prep = lambda block, tuning: jax.jit(functools.partial(
         pallas_prep.prep_forward, chunk=64, block=min(block, D), scale=D**-0.5, prec=prec, store_dtype=bf,
         tuning=tuning, **kw))
-    W, U, qg, kd, Aqk, sdec = prep(64, Tuning(4, 1))(q, k, v, g, beta, doc)
+    from pallas_kernels.kda.pallas_op import _cumsum_in_chunks
+    G = _cumsum_in_chunks(g, 64)
+    W, U, qg, kd, Aqk, sdec = prep(64, Tuning(4, 1))(q, k, v, G, beta, doc)
     S0 = jnp.zeros((B, H, D, D), jnp.float32)
     if T == SHAPES[0][1]:
       for block, nw, *ns in args.sweep_prep:
         ns = ns[0] if ns else 1
         report(f"B={B} T={T} prep_fwd block={block} warps={nw} stages={ns}", prep(block, Tuning(nw, ns)),
-               q, k, v, g, beta, doc)
+               q, k, v, G, beta, doc)
     for bv, nw, ns in args.sweep_scan:
       tuning, bv = Tuning(nw, ns), min(bv, D)
       fwd = jax.jit(lambda *a, bv=bv, tuning=tuning: pallas_scan.scan_forward(
@@ -334,8 +343,8 @@ def sweep(args):
     for block, nw, *ns in args.sweep_prep:
       ns = ns[0] if ns else 1
       pb = jax.jit(functools.partial(pallas_prep.prep_backward, chunk=64, block=min(block, D), scale=D**-0.5,
-                                     prec=prec, tuning=Tuning(nw, ns), **kw))
-      report(f"B={B} T={T} prep_bwd block={block} warps={nw} stages={ns}", pb, q, k, v, g, beta, doc, dW,
+                                     prec=prec, tuning=Tuning(nw, ns), g_dtype=g.dtype, **kw))
+      report(f"B={B} T={T} prep_bwd block={block} warps={nw} stages={ns}", pb, q, k, v, G, beta, doc, dW,
              dVp, dqg, dkd, dAqk, dsdec)
     del states, dSn, dVp, Vp
 
@@ -372,7 +381,9 @@ def main():
   p.add_argument("--fla-child")
   p.add_argument("--sweep", action="store_true")
   p.add_argument("--check", action="store_true")
-  p.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
+  p.add_argument("--section-out", help="write the KDA section (table, command, date, device) into this "
+                 "markdown file, replacing an older one (BENCHMARKS.md, or a file under $OUT)")
+  p.add_argument("--fla-design", action="store_true", help="without --fla runs: fla ratios from DESIGN §7")
   p.add_argument("--no-fla", action="store_true")
   p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU), no fla")
   p.add_argument("--fla-ms", type=int, default=200)

@@ -4,8 +4,9 @@ prep_forward:  inputs -> W, U, qg, kd, A_qk, sdec for the state pass (pallas_til
 state_grads:   states, their cotangents, dO, dV', V' -> dW, dqg, dkd, dA_qk, dsdec (pallas_tiles.state_grads).
 prep_backward: those cotangents -> dq, dk, dv, dg, dbeta (pallas_tiles.prep_vjp).
 
-Layouts: q, k, g [B,T,H,K], v [B,T,H,V], beta [B,T,H], row codes [B,T] as the caller gives them (T padded
-to a whole number of chunks); per-chunk results [B,H,T,*] so the sequential pass reads contiguous tiles;
+Layouts: q, k [B,T,H,K], v [B,T,H,V], beta [B,T,H] as the caller gives them (T padded to a whole number
+of chunks), G [B,T,H,K] float32 the in-chunk cumsum of g, row codes [B,T]; per-chunk results [B,H,T,*]
+so the sequential pass reads contiguous tiles;
 sdec [B,H,N,K]; states [B,H,N,K,V]. Extra [B,H,T,C] float32 outputs serve as the programs' scratch.
 """
 
@@ -36,7 +37,8 @@ class _Program:
     """A [B,T,H,X] operand."""
     return tiles.Chunk(ref.shape[-1] // self.block,
                        lambda i: ref[self.b, self.rows(), self.h, self.cols(i)],
-                       lambda p, i: ref[self.b, self.rows(p), self.h, self.cols(i)])
+                       lambda p, i: ref[self.b, self.rows(p), self.h, self.cols(i)],
+                       lambda r, i: ref[self.b, self.c * self.C + r, self.h, self.cols(i)])
 
   def bhtx(self, ref):
     """A [B,H,T,X] operand."""
@@ -97,7 +99,7 @@ def _scratch_shapes(B, H, T, C, n):
   return tuple(jax.ShapeDtypeStruct((B, H, T, C), jnp.float32) for _ in range(n))
 
 
-def prep_forward(q, k, v, g, beta, code, *, chunk: int, block: int, scale: float, prec: tiles.Precision,
+def prep_forward(q, k, v, G, beta, code, *, chunk: int, block: int, scale: float, prec: tiles.Precision,
                  store_dtype, interpret: bool, tuning: Tuning):
   """Returns W, U, qg, kd, Aqk, sdec: [B,H,T,K|V|K|K|C] in store_dtype and [B,H,N,K] float32."""
   B, T, H, K = q.shape
@@ -120,7 +122,7 @@ def prep_forward(q, k, v, g, beta, code, *, chunk: int, block: int, scale: float
   out_shape = (sd(B, H, T, K), sd(B, H, T, V), sd(B, H, T, K), sd(B, H, T, K), sd(B, H, T, C),
                jax.ShapeDtypeStruct((B, H, N, K), jnp.float32)) + _scratch_shapes(B, H, T, C, 2)
   return launch(kernel, grid=(N, H, B), out_shape=out_shape, interpret=interpret, tuning=tuning,
-                name="kda_prep_fwd")(q, k, v, g, beta, code)[:6]
+                name="kda_prep_fwd")(q, k, v, G, beta, code)[:6]
 
 
 def state_grads(states, dS_next, dO, dVp, Vp, *, block: int, prec: tiles.Precision, store_dtype,
@@ -154,9 +156,9 @@ def state_grads(states, dS_next, dO, dVp, Vp, *, block: int, prec: tiles.Precisi
                 name="kda_state_grads")(states, dS_next, dO, dVp, Vp)
 
 
-def prep_backward(q, k, v, g, beta, code, dW, dU, dqg, dkd, dAqk, dsdec, *, chunk: int, block: int,
+def prep_backward(q, k, v, G, beta, code, dW, dU, dqg, dkd, dAqk, dsdec, *, g_dtype, chunk: int, block: int,
                   scale: float, prec: tiles.Precision, interpret: bool, tuning: Tuning):
-  """Returns dq, dk, dv, dg, dbeta in the layouts and dtypes of q, k, v, g, beta.
+  """Returns dq, dk, dv, dg, dbeta in the layouts and dtypes of q, k, v, G, beta (dg in g_dtype).
 
   dW, dqg, dkd [B,H,T,K], dU [B,H,T,V], dAqk [B,H,T,C], dsdec [B,H,N,K]: cotangents of prep_forward.
   """
@@ -180,7 +182,7 @@ def prep_backward(q, k, v, g, beta, code, dW, dU, dqg, dkd, dAqk, dsdec, *, chun
     tiles.prep_vjp(*pr.inputs(q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref), scale, prec, d, scratch,
                    put)
 
-  like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-  out_shape = tuple(like(x) for x in (q, k, v, g, beta)) + _scratch_shapes(B, H, T, C, 5)
+  like = lambda x, dtype=None: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype)
+  out_shape = (like(q), like(k), like(v), like(G, g_dtype), like(beta)) + _scratch_shapes(B, H, T, C, 5)
   return launch(kernel, grid=(N, H, B), out_shape=out_shape, interpret=interpret, tuning=tuning,
-                name="kda_prep_bwd")(q, k, v, g, beta, code, dW, dU, dqg, dkd, dAqk, dsdec)[:5]
+                name="kda_prep_bwd")(q, k, v, G, beta, code, dW, dU, dqg, dkd, dAqk, dsdec)[:5]

@@ -1,6 +1,8 @@
 """Per-chunk KDA math for the Pallas kernels (DESIGN §2 "Chunked form").
 
-One chunk of C = P * 16 rows: q, k, g [C,K], v [C,V], b [C], and a row code [C] int32 = 2 * doc + reset,
+One chunk of C = P * 16 rows: q, k [C,K], v [C,V], b [C], G [C,K] the in-chunk inclusive cumsum of the
+log-decays g (float32, computed outside: a row of it is a load, where a scan or a masked reduction
+inside the kernel costs a trip through shared memory), and a row code [C] int32 = 2 * doc + reset,
 doc the index of the row's document inside the chunk (0 = the document the incoming state belongs to)
 and reset whether a document starts at that row. Operands are read by column block i, either whole
 (`full(i)` -> [C,BK]) or as a 16-row tile (`tile(p, i)` -> [16,BK]); column blocks are walked by loops.
@@ -43,10 +45,12 @@ def precision_for(dtype) -> Precision:
 
 
 class Chunk(NamedTuple):
-  """One operand of one chunk: n column blocks, full(i) -> [C,BK], tile(p, i) -> rows 16p.., [16,BK]."""
+  """One operand of one chunk: n column blocks, full(i) -> [C,BK], tile(p, i) -> rows 16p.., [16,BK],
+  row(r, i) -> row r, [BK]."""
   n: int
   full: Callable
   tile: Callable
+  row: Callable = None
 
 
 class Rows(NamedTuple):
@@ -80,11 +84,6 @@ def _loop(n: int, body, carry):
 
 def _iota(shape, dim):
   return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
-
-
-def _row(x, i):
-  """Row i as [BK], by a masked sum (values cannot be sliced on the Triton side)."""
-  return jnp.sum(jnp.where(_iota(x.shape, 0) == i, x, 0.0), axis=0)
 
 
 def _colsum(x):
@@ -121,12 +120,6 @@ def _full_mask(dm: Docs, strict: bool):
   return same & ((j < i) if strict else (j <= i))
 
 
-def _local_gates(g: Chunk, p: int, i: int):
-  """G_i - G_a for the rows of tile p and its first row a, from the tile's own gates."""
-  cs = jnp.cumsum(_f32(g.tile(p, i)), axis=0)
-  return cs - _row(cs, 0)[None, :]
-
-
 def _from_anchor(G, Ga, p, C):
   """e^{G_a - G_j} for strip p's anchor a and rows j up to the end of the strip, else 0."""
   return jnp.exp(jnp.where(_iota((C, 1), 0) < (p + 1) * TILE, Ga[None, :] - G, -jnp.inf))
@@ -138,18 +131,19 @@ def _to_anchor(G, Ga, t, C):
 
 
 def score_strips(q: Chunk | None, k: Chunk, g: Chunk, prec: Precision):
-  """Unmasked S_qk, S_kk by 16-row strips [16,C] (S_qk skipped when q is None)."""
+  """Unmasked S_qk, S_kk by 16-row strips [16,C] (S_qk skipped when q is None); g: the G operand."""
   C = k.full(0).shape[0]
   P = C // TILE
   zero = jnp.zeros((TILE, C), jnp.float32)
 
   def body(i, acc):
     Sqk, Skk = list(acc[0]), list(acc[1])
-    G = jnp.cumsum(_f32(g.full(i)), axis=0)
+    G = g.full(i)
     kf = _f32(k.full(i))
     for p in range(P):
-      kc = kf * _from_anchor(G, _row(G, p * TILE), p, C)
-      Erow = jnp.exp(_local_gates(g, p, i))
+      Ga = g.row(p * TILE, i)
+      kc = kf * _from_anchor(G, Ga, p, C)
+      Erow = jnp.exp(g.tile(p, i) - Ga[None, :])
       Skk[p] = Skk[p] + dot_nt(_f32(k.tile(p, i)) * Erow, kc, prec.big)
       if q is not None:
         Sqk[p] = Sqk[p] + dot_nt(_f32(q.tile(p, i)) * Erow, kc, prec.big)
@@ -204,7 +198,8 @@ class Prep(NamedTuple):
 
 def prep(q: Chunk, k: Chunk, v: Chunk, g: Chunk, b: Rows, code: Rows, scale: float, prec: Precision,
          scratch: Scratch, put: Prep):
-  """One chunk's W, U, qg, kd, A_qk, sdec (DESIGN §2), float32, handed to the sinks in `put`."""
+  """One chunk's W, U, qg, kd, A_qk, sdec (DESIGN §2), float32, handed to the sinks in `put`.
+  g is the G operand (in-chunk cumsum of the gates)."""
   dm = docs(code)
   Sqk, Skk = score_strips(q, k, g, prec)
   for p in range(len(Sqk)):
@@ -213,8 +208,8 @@ def prep(q: Chunk, k: Chunk, v: Chunk, g: Chunk, b: Rows, code: Rows, scale: flo
   b_C1 = _f32(b.full())[:, None]
 
   def w_block(i, carry):
-    G = jnp.cumsum(_f32(g.full(i)), axis=0)
-    GC = _row(G, G.shape[0] - 1)
+    G = g.full(i)
+    GC = g.row(G.shape[0] - 1, i)
     eG, kf = jnp.exp(G), _f32(k.full(i))
     put.W(i, jnp.where(dm.carried, dot(Linv, b_C1 * kf * eG, prec.solve), 0.0))
     put.qg(i, jnp.where(dm.carried, scale * _f32(q.full(i)) * eG, 0.0))
@@ -265,7 +260,16 @@ class Grads(NamedTuple):
   b: Callable
 
 
-def _route_to_gates(code: Rows, dG: list, dGC, prec_exact: str):
+def _tile_docs(code: Rows, P: int):
+  """Per 16-row tile: (doc [16], reset [16,1], doc of its last row)."""
+  out = []
+  for p in range(P):
+    c = code.tile(p)
+    out.append((c // 2, (c % 2 == 1)[:, None], jnp.max(c // 2)))
+  return out
+
+
+def _route_to_gates(tile_docs, dG: list, dGC, prec_exact: str):
   """dg_i = sum of dG_j over later rows j of i's own document (+ dG_C for the last document).
 
   G of a document that starts inside the chunk sums only that document's gates after its first row, so
@@ -278,15 +282,14 @@ def _route_to_gates(code: Rows, dG: list, dGC, prec_exact: str):
   dg = [None] * P
   after = dGC
   for p in reversed(range(P)):
-    c = code.tile(p)
-    doc = c // 2
+    doc, reset, last = tile_docs[p]
     same_later = ((cols >= rows) & (doc[:, None] == doc[None, :])).astype(jnp.float32)
-    dg_p = dot(same_later, dG[p], prec_exact) + jnp.where((doc == jnp.max(doc))[:, None], after[None, :], 0.0)
-    dg[p] = jnp.where((c % 2 == 1)[:, None], 0.0, dg_p)
+    dg_p = dot(same_later, dG[p], prec_exact) + jnp.where((doc == last)[:, None], after[None, :], 0.0)
+    dg[p] = jnp.where(reset, 0.0, dg_p)
     if p:
-      prev_last = jnp.max(code.tile(p - 1) // 2)
+      prev_last = tile_docs[p - 1][2]
       after = (_colsum(jnp.where((doc == prev_last)[:, None], dG[p], 0.0))
-               + jnp.where(prev_last == jnp.max(doc), after, 0.0))
+               + jnp.where(prev_last == last, after, 0.0))
   return dg
 
 
@@ -311,7 +314,7 @@ def prep_vjp(q: Chunk, k: Chunk, v: Chunk, g: Chunk, b: Rows, code: Rows, scale:
   # Through W = Linv (b k e^G) (carried rows) and U = Linv (b v): dA_kk and the direct parts of db.
   def k_block(i, carry):
     acc, db = carry
-    kg = _f32(k.full(i)) * jnp.exp(jnp.cumsum(_f32(g.full(i)), axis=0))
+    kg = _f32(k.full(i)) * jnp.exp(g.full(i))
     dR = dot_tn(Linv, dWc(i), prec.solve)
     acc = acc + dot_nt(dR, dot(Linv, b_C1 * kg, prec.solve), prec.solve)
     return acc, db + jnp.sum(dR * kg, axis=1)
@@ -331,10 +334,11 @@ def prep_vjp(q: Chunk, k: Chunk, v: Chunk, g: Chunk, b: Rows, code: Rows, scale:
   scratch.put_full("K", b_C1 * dA)
   scratch.put_full("Q", jnp.where(_full_mask(dm, strict=False), scale * _f32(d.Aqk()), 0.0))
   scratch.barrier()
+  tile_docs = _tile_docs(code, P)
 
   def g_block(i, carry):
-    G = jnp.cumsum(_f32(g.full(i)), axis=0)
-    GC = _row(G, C - 1)
+    G = g.full(i)
+    GC = g.row(C - 1, i)
     qf, kf = _f32(q.full(i)), _f32(k.full(i))
     dWf = dWc(i)
     # kd = k e^{G_C - G} (last document), sdec = e^{G_C} (whole chunk): their G_C part reaches every g.
@@ -342,31 +346,30 @@ def prep_vjp(q: Chunk, k: Chunk, v: Chunk, g: Chunk, b: Rows, code: Rows, scale:
     dGC = _colsum(dkd_f * kf) + jnp.where(dm.whole, _f32(d.sdec.get(i)) * jnp.exp(GC), 0.0)
     dG = []
     for t in range(P):
-      Ga = _row(G, t * TILE)
+      Ga = g.row(t * TILE, i)
       # Row side of strip t: dx = (dP[t] @ k e^{G_a - G}) e^{G - G_a}.
       kc = kf * _from_anchor(G, Ga, t, C)
       dqE = dot(scratch.rows("Q", t), kc, prec.dscore)
       dkE = dot(scratch.rows("K", t), kc, prec.dscore)
       # Column side of strip t: dy = (dP[:,t]^T @ x e^{G - G_a}) e^{G_a - G}.
       xe = _to_anchor(G, Ga, t, C)
-      loc = _local_gates(g, t, i)
+      G_t = g.tile(t, i)
+      loc = G_t - Ga[None, :]
       dkc = (dot_tn(scratch.cols("Q", t), qf * xe, prec.dscore)
              + dot_tn(scratch.cols("K", t), kf * xe, prec.dscore)) * jnp.exp(-loc)
       Erow = jnp.exp(loc)
       q_t, k_t = _f32(q.tile(t, i)), _f32(k.tile(t, i))
-      G_t = Ga[None, :] + loc
       eG_t = jnp.exp(G_t)
       dq = dqE * Erow
       dk_row = dkE * Erow
       dk_sol = _f32(b.tile(t))[:, None] * dot_tn(scratch.cols("L", t), dWf, prec.solve) * eG_t
-      code_t = code.tile(t)
-      dqg = jnp.where((code_t // 2 == 0)[:, None], scale * _f32(d.qg.tile(t, i)) * eG_t, 0.0)
-      dkd = jnp.where((code_t // 2 == dm.last)[:, None], _f32(d.kd.tile(t, i)) * jnp.exp(GC[None, :] - G_t),
-                      0.0)
+      doc_t = tile_docs[t][0]
+      dqg = jnp.where((doc_t == 0)[:, None], scale * _f32(d.qg.tile(t, i)) * eG_t, 0.0)
+      dkd = jnp.where((doc_t == dm.last)[:, None], _f32(d.kd.tile(t, i)) * jnp.exp(GC[None, :] - G_t), 0.0)
       dG.append(dk_sol * k_t + q_t * dq + k_t * dk_row - k_t * dkc + dqg * q_t - dkd * k_t)
       put.q(t, i, dq + dqg)
       put.k(t, i, dk_sol + dk_row + dkc + dkd)
-    for t, dg in enumerate(_route_to_gates(code, dG, dGC, "f32")):
+    for t, dg in enumerate(_route_to_gates(tile_docs, dG, dGC, "f32")):
       put.g(t, i, dg)
     return carry
 
