@@ -257,7 +257,8 @@ def stress_1m(fns):
   _, jnp = _jax()
   inputs = make_inputs(1, 256 if INTERPRET else 1 << 20, seed=3, gate=LB)
   outs = fns[1](*inputs)
-  return all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in outs)
+  # Per row, in the arrays' own dtype: one reduction over 2^31 elements ran out of memory (46 GB).
+  return all(bool(jnp.all(jnp.isfinite(x).reshape(x.shape[1], -1).all(axis=1))) for x in outs)
 
 
 def section_text(table, device, bw, flops, finite, argv):

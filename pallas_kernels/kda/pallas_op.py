@@ -30,7 +30,7 @@ class Config:
   block_v_bwd: int | None = None  # and of the backward one
   prep_fwd: Tuning = Tuning(num_warps=4, num_stages=1)
   state_grads: Tuning = Tuning(num_warps=4, num_stages=1)
-  prep_bwd: Tuning = Tuning(num_warps=8, num_stages=1)
+  prep_bwd: Tuning = Tuning(num_warps=4, num_stages=1)
   scan_fwd: Tuning = Tuning(num_warps=4, num_stages=2)
   scan_bwd: Tuning = Tuning(num_warps=4, num_stages=2)
 
