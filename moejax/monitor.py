@@ -1,8 +1,13 @@
 """Run monitoring: progress bar, TensorBoard scalars, a JSONL metrics log and alerts.
 
-The expert-collapse alert fires when MaxVio_batch stays above `train.maxvio_alert` for
-`train.maxvio_alert_steps` consecutive steps: a router that keeps overloading a few experts is the
-usual first sign of collapse, long before the loss shows it.
+The expert-collapse alert fires when the worst MoE layer's MaxVio_batch stays above
+`train.maxvio_alert` for `train.maxvio_alert_steps` consecutive steps, and again every that many
+steps while it stays there: a router that keeps overloading a few experts is the usual first sign
+of collapse, long before the loss shows it. The worst layer, not the mean over layers, because one
+collapsed layer among many barely moves the mean.
+
+A resumed run first drops what the previous process logged past the restored step (JSONL rows
+and, through TensorBoard's purge step, its events), so each step appears once.
 """
 
 import json
@@ -14,6 +19,9 @@ from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
 log = logging.getLogger("moejax.monitor")
+
+_LAYER_MAXVIO_SUFFIX = "/maxvio_batch"
+_MEAN_MAXVIO = "moe/maxvio_batch"
 
 
 def to_row(metrics) -> dict:
@@ -29,15 +37,50 @@ def to_row(metrics) -> dict:
   return row
 
 
+def _drop_rows_after(path: str, step: int) -> None:
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    lines = f.readlines()
+  kept = []
+  for line in lines:
+    try:
+      if json.loads(line).get("step", 0) > step:
+        continue
+    except json.JSONDecodeError:
+      continue  # a line cut short by the kill
+    kept.append(line)
+  if len(kept) != len(lines):
+    with open(path + ".tmp", "w") as f:
+      f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
+def worst_maxvio(row: dict) -> tuple[str, float] | None:
+  """(layer, MaxVio_batch) of the most imbalanced MoE layer in a metrics row, or None."""
+  layers = {k[:-len(_LAYER_MAXVIO_SUFFIX)]: v for k, v in row.items()
+            if k.endswith(_LAYER_MAXVIO_SUFFIX) and k != _MEAN_MAXVIO}
+  if not layers and _MEAN_MAXVIO in row:
+    layers = {"moe": row[_MEAN_MAXVIO]}
+  if not layers:
+    return None
+  return max(layers.items(), key=lambda kv: kv[1])
+
+
 class Monitor:
   def __init__(self, workdir: str, config, total_steps: int, start_step: int = 0):
     self.config = config
-    self.writer = SummaryWriter(os.path.join(workdir, "tb"))
-    self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115 - closed in close()
+    jsonl = os.path.join(workdir, "metrics.jsonl")
+    _drop_rows_after(jsonl, start_step)
+    # purge_step makes TensorBoard drop the earlier events at or after it: a killed run's tail.
+    self.writer = SummaryWriter(os.path.join(workdir, "tb"),
+                                purge_step=start_step + 1 if start_step else None)
+    self.jsonl = open(jsonl, "a")  # noqa: SIM115 - closed in close()
     self.bar = tqdm(total=total_steps, initial=start_step, disable=not config.train.progress_bar,
                     dynamic_ncols=True, file=None)
     self.high_maxvio_steps = 0
     self.alerts = 0
+    self.skipped = 0  # steps whose update the NaN/Inf guard skipped, in this process
 
   def record(self, step: int, row: dict) -> None:
     self.jsonl.write(json.dumps(row) + "\n")
@@ -49,21 +92,24 @@ class Monitor:
       self.jsonl.flush()
     self.bar.update(1)
     self.bar.set_postfix(loss=f"{row.get('loss', float('nan')):.3f}",
-                         maxvio=f"{row.get('moe/maxvio_batch', float('nan')):.2f}")
+                         maxvio=f"{row.get(_MEAN_MAXVIO, float('nan')):.2f}")
     if not row.get("finite", 1.0):
-      log.warning("step %d: non-finite loss or gradient; update skipped (%d in a row)", step,
-                  int(row.get("bad_steps", 0)))
+      self.skipped += 1
+      log.warning("step %d: non-finite loss or gradient; update skipped (%d in a row, %d in this run)",
+                  step, int(row.get("bad_steps", 0)), self.skipped)
     self._check_maxvio(step, row)
 
   def _check_maxvio(self, step: int, row: dict) -> None:
-    maxvio = row.get("moe/maxvio_batch")
-    if maxvio is None:
+    worst = worst_maxvio(row)
+    if worst is None:
       return
-    self.high_maxvio_steps = self.high_maxvio_steps + 1 if maxvio > self.config.train.maxvio_alert else 0
-    if self.high_maxvio_steps == self.config.train.maxvio_alert_steps:
+    layer, maxvio = worst
+    limit, steps = self.config.train.maxvio_alert, self.config.train.maxvio_alert_steps
+    self.high_maxvio_steps = self.high_maxvio_steps + 1 if maxvio > limit else 0
+    if self.high_maxvio_steps and self.high_maxvio_steps % steps == 0:
       self.alerts += 1
       log.warning("expert-collapse alert at step %d: MaxVio_batch has stayed above %.2f for %d steps "
-                  "(now %.2f)", step, self.config.train.maxvio_alert, self.high_maxvio_steps, maxvio)
+                  "(now %.2f in %s)", step, limit, self.high_maxvio_steps, maxvio, layer)
 
   def close(self) -> None:
     self.bar.close()

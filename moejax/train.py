@@ -78,20 +78,15 @@ def run(config, workdir: str) -> dict:
     state, data_it = restored
     log.info("resumed from step %d", int(state.step))
 
-  train_step = jax.jit(make_train_step(model, optimizer, config), donate_argnums=0)
+  train_step = jax.jit(make_train_step(model, optimizer, config, total_steps), donate_argnums=0)
   eval_step = jax.jit(make_eval_step(model, config))
   monitor = Monitor(workdir, config, total_steps, start_step=int(state.step))
   row = {}
   step = int(state.step)
   stage_idx, _ = stage_at(stages, step)
+  save_due = False
   try:
     while step < total_steps:
-      new_stage, _ = stage_at(stages, step)
-      if new_stage != stage_idx:
-        # A new context length: same state, new data stream; the step retraces for the new shape.
-        stage_idx = new_stage
-        data_it = _iterator_for_step(config, stages, step)
-        log.info("stage %d: seq_len=%d", stage_idx, stages[stage_idx][0])
       batch = next(data_it)
       t0 = time.perf_counter()
       state, m = train_step(state, batch)
@@ -102,12 +97,29 @@ def run(config, workdir: str) -> dict:
       if config.train.eval_every and step % config.train.eval_every == 0:
         row.update(evaluate(eval_step, state, config, stages[stage_idx]))
       monitor.record(step, row)
-      if int(state.bad_steps) >= config.train.max_bad_steps:
-        raise FloatingPointError(
-            f"{int(state.bad_steps)} consecutive non-finite steps at step {step}: stopping. The last good "
-            f"checkpoint is step {manager.latest_step()} in {workdir}")
-      if step % config.train.checkpoint_every == 0 or step == total_steps:
+      bad_steps = int(state.bad_steps)
+      if bad_steps >= config.train.max_bad_steps:
+        last = manager.latest_step()
+        where = (f"the last good checkpoint is step {last} in {manager.directory}" if last is not None
+                 else "no checkpoint was written before them")
+        raise FloatingPointError(f"{bad_steps} consecutive non-finite steps up to step {step} "
+                                 f"(train.max_bad_steps={config.train.max_bad_steps}): stopping; {where}")
+      # Switch streams before saving: a checkpoint at a stage boundary then holds the new stage's
+      # fresh iterator, which is the one a restart at that step builds and loads it into.
+      new_stage, _ = stage_at(stages, step)
+      if new_stage != stage_idx:
+        # A new context length: same state, new data stream; the step retraces for the new shape.
+        stage_idx = new_stage
+        data_it = _iterator_for_step(config, stages, step)
+        log.info("stage %d: seq_len=%d", stage_idx, stages[stage_idx][0])
+      save_due = save_due or step % config.train.checkpoint_every == 0 or step == total_steps
+      # A state that just skipped an update is not saved: the newest checkpoint stays a good one.
+      if save_due and bad_steps == 0:
         manager.save(step, state, data_it)
+        save_due = False
+    if save_due:
+      log.warning("the run ended on skipped (non-finite) steps, so its final state was not saved; the "
+                  "newest checkpoint is step %s", manager.latest_step())
   finally:
     manager.wait()
     monitor.close()
@@ -123,7 +135,9 @@ def _iterator_for_step(config, stages, step):
 def main(argv):
   del argv
   if _CONFIG.value is None or _WORKDIR.value is None:
-    sys.exit("usage: python -m moejax.train --config experiments/tiny.py --workdir DIR")
+    sys.exit("usage: python -m moejax.train --config experiments/tiny.py --workdir DIR "
+             "[--config.optim.lr=1e-3 --config.train.stages='((128, 30, 2048),)' ...]\n"
+             "--config (an experiment file) and --workdir (checkpoints and logs) are required")
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
   row = run(_CONFIG.value, _WORKDIR.value)
   print(json.dumps({k: v for k, v in row.items() if isinstance(v, int | float)}))

@@ -17,7 +17,7 @@ from moejax import balance as balance_lib
 from moejax import metrics as metrics_lib
 from moejax.loss import cross_entropy
 from moejax.model import Transformer
-from moejax.optim import make_optimizer, qk_clip
+from moejax.optim import dict_to_cfg, learning_rate_schedule, make_optimizer, qk_clip
 
 
 @flax.struct.dataclass
@@ -41,7 +41,7 @@ def head_matrix(params, cfg_model):
 
 
 def init_state(model: Transformer, config, rng: jax.Array, total_steps: int):
-  """Returns (state, optimizer, logical_axes)."""
+  """Returns (state, optimizer, logical_axes); the state lives on the first local device."""
   init_rng, state_rng = jax.random.split(rng)
   state_rng = jax.random.key_data(state_rng)  # raw uint32, which checkpoints as a plain array
   variables = model.init(init_rng, jnp.zeros((1, 16), jnp.int32))
@@ -52,6 +52,9 @@ def init_state(model: Transformer, config, rng: jax.Array, total_steps: int):
       step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
       balance=variables.get("balance", {}), rng=state_rng,
       bad_steps=jnp.zeros((), jnp.int32))
+  # Committed to the device, as a restored checkpoint is: otherwise a fresh and a resumed run lower
+  # the step with different sharding annotations and each compiles it anew.
+  state = jax.device_put(state, jax.local_devices()[0])
   return state, optimizer, axes
 
 
@@ -71,8 +74,11 @@ def _mla_max_logits(attn_stats):
   return out
 
 
-def make_train_step(model: Transformer, optimizer: optax.GradientTransformation, config):
+def make_train_step(model: Transformer, optimizer: optax.GradientTransformation, config, total_steps: int):
+  """total_steps: the length the optimizer's schedule was built for (`init_state`), for the lr metric."""
   cfg = config.model
+  schedule = learning_rate_schedule(config.optim, total_steps)
+  adam_schedule = learning_rate_schedule(dict_to_cfg(config.optim, lr=config.optim.adam_lr), total_steps)
   # Max attention logits cost an extra QK^T pass, so they are collected only when QK-clip uses them.
   mutable = ["router", "attn_stats"] if config.optim.qk_clip_tau > 0 else ["router"]
 
@@ -88,7 +94,7 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
   def train_step(state: TrainState, batch):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     (loss, (metrics, stats)), grads = grad_fn(state.params, state.balance, batch)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     if config.optim.qk_clip_tau > 0:
@@ -103,7 +109,13 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
         step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
         balance=keep(new_balance, state.balance), rng=jax.random.fold_in(state.rng, state.step),
         bad_steps=jnp.where(finite, 0, state.bad_steps + 1))
-    metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "finite": finite,
+    # The schedule at this step: what the update used unless earlier updates were skipped (the
+    # optimizer's own count does not advance on a skipped step).
+    lrs = {"lr": schedule(state.step)}
+    if config.optim.name == "muon":
+      lrs["adam_lr"] = adam_schedule(state.step)
+    metrics = {**metrics, **lrs, "loss": loss, "grad_norm": grad_norm, "finite": finite,
+               "bad_steps": next_state.bad_steps,
                **metrics_lib.balance_metrics(router_stats, new_balance, cfg.moe.top_k)}
     return next_state, metrics
 
