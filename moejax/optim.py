@@ -1,10 +1,16 @@
 """Optimisers: AdamW, or Muon on weight matrices with AdamW on the rest; warmup + cosine; clipping.
 
 Which parameters Muon orthogonalises is read off their logical axis names (moejax/nn.py), never off
-their paths: a leading "expert" axis is a batch of independent matrices, the first other axis is the
-reduction (input) axis and the remaining axes are the output. Embeddings, the LM head ("vocab" axis),
-norm scales, biases, gate vectors and convolution taps stay on AdamW, as is usual for Muon.
+their paths. A leading "expert" axis is a batch of independent matrices. A kernel that ends in
+"embed" projects back to the residual stream, so every axis before it is contracted (W_o
+[heads, kv, embed]); any other kernel contracts its first axis, which must then be an input axis
+(embed, mlp, latent, a LoRA rank). What has no input axis is a bias or per-head vector
+(dt_bias [heads, kv]). Embeddings, the LM head ("vocab"), norm scales, biases, gate vectors,
+convolution taps and the router ([embed, expert]: its trailing expert axis is its output, and it
+feeds the balancing) stay on AdamW, as is usual for Muon.
 """
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +19,7 @@ from flax import traverse_util
 from optax.contrib import MuonDimensionNumbers
 
 _ADAM_ONLY_AXES = {"vocab", "conv", "norm"}
+_INPUT_AXES = {"embed", "mlp", "latent", "q_lora", "kv_lora", "rank"}
 
 
 def learning_rate_schedule(cfg_opt, total_steps: int):
@@ -22,27 +29,38 @@ def learning_rate_schedule(cfg_opt, total_steps: int):
       decay_steps=max(total_steps, warmup + 1), end_value=cfg_opt.lr * cfg_opt.final_lr_fraction)
 
 
-def _is_matrix(names: tuple) -> bool:
-  core = [n for n in names if n != "expert"]
-  return len(core) >= 2 and not (_ADAM_ONLY_AXES & set(names))
+def matrix_axes(names: tuple) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+  """(reduction axes, output axes) of a weight matrix, from its logical names; None if not one."""
+  if _ADAM_ONLY_AXES & set(names) or "expert" in names[1:]:
+    return None
+  core = [i for i, n in enumerate(names) if n != "expert"]
+  if len(core) < 2:
+    return None
+  if names[core[-1]] == "embed":
+    return tuple(core[:-1]), (core[-1],)
+  if names[core[0]] in _INPUT_AXES:
+    return (core[0],), tuple(core[1:])
+  return None
 
 
 def muon_dimension_numbers(logical_axes):
   """Per-parameter MuonDimensionNumbers (or None for AdamW) from a tree of logical-axis tuples."""
 
   def spec(names):
-    if not _is_matrix(names):
-      return None
-    axes = [i for i, n in enumerate(names) if n != "expert"]
-    return MuonDimensionNumbers(reduction_axis=axes[0], output_axis=tuple(axes[1:]))
+    axes = matrix_axes(names)
+    return None if axes is None else MuonDimensionNumbers(reduction_axis=axes[0], output_axis=axes[1])
 
   return jax.tree.map(spec, logical_axes, is_leaf=lambda x: isinstance(x, tuple))
 
 
+def _decays(names: tuple) -> bool:
+  return "norm" not in names and (matrix_axes(names) is not None or "vocab" in names or "conv" in names)
+
+
 def weight_decay_mask(logical_axes):
-  """Decay matrices and embeddings; never norm scales, biases or other vectors."""
-  return jax.tree.map(lambda names: len([n for n in names if n != "expert"]) >= 2 and "norm" not in names,
-                      logical_axes, is_leaf=lambda x: isinstance(x, tuple))
+  """Decay weight matrices, embeddings, the head and conv taps; never norm scales, biases, per-head
+  vectors or the router."""
+  return jax.tree.map(_decays, logical_axes, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def make_optimizer(cfg_opt, logical_axes, total_steps: int) -> optax.GradientTransformation:
@@ -55,15 +73,43 @@ def make_optimizer(cfg_opt, logical_axes, total_steps: int) -> optax.GradientTra
   elif cfg_opt.name == "muon":
     adam_schedule = learning_rate_schedule(
         dict_to_cfg(cfg_opt, lr=cfg_opt.adam_lr), total_steps)
-    core = optax.contrib.muon(
-        schedule, beta=cfg_opt.muon_beta, weight_decay=cfg_opt.weight_decay, weight_decay_mask=mask,
-        adam_b1=cfg_opt.b1, adam_b2=cfg_opt.b2, adam_weight_decay=cfg_opt.weight_decay,
-        adam_learning_rate=adam_schedule, consistent_rms=cfg_opt.muon_consistent_rms,
-        muon_weight_dimension_numbers=muon_dimension_numbers(logical_axes))
+    dims = muon_dimension_numbers(logical_axes)
+    # optax's muon decays every AdamW-side parameter (it takes no mask there), norms included, so
+    # its AdamW side gets no decay and the masked decoupled decay follows it instead.
+    core = optax.chain(
+        optax.contrib.muon(
+            schedule, beta=cfg_opt.muon_beta, weight_decay=cfg_opt.weight_decay, weight_decay_mask=mask,
+            adam_b1=cfg_opt.b1, adam_b2=cfg_opt.b2, adam_weight_decay=0.0,
+            adam_learning_rate=adam_schedule, consistent_rms=cfg_opt.muon_consistent_rms,
+            muon_weight_dimension_numbers=dims),
+        decoupled_weight_decay(cfg_opt.weight_decay, adam_schedule, jax.tree.map(
+            lambda names: _decays(names) and matrix_axes(names) is None, logical_axes,
+            is_leaf=lambda x: isinstance(x, tuple))))
   else:
     raise ValueError(f"optim.name={cfg_opt.name!r}: expected 'adamw' or 'muon'")
   chain = [optax.clip_by_global_norm(cfg_opt.grad_clip)] if cfg_opt.grad_clip > 0 else []
   return optax.chain(*chain, core)
+
+
+class DecayState(NamedTuple):
+  count: jax.Array
+
+
+def decoupled_weight_decay(rate: float, schedule, mask) -> optax.GradientTransformation:
+  """Adds -schedule(count) * rate * param where `mask` is True: AdamW's decoupled decay, applied
+  after an update that had none."""
+
+  def init(params):
+    del params
+    return DecayState(count=jnp.zeros((), jnp.int32))
+
+  def update(updates, state, params):
+    lr = schedule(state.count)
+    updates = jax.tree.map(lambda u, p, m: (u - lr * rate * p).astype(u.dtype) if m else u,
+                           updates, params, mask)
+    return updates, DecayState(count=optax.safe_increment(state.count))
+
+  return optax.GradientTransformation(init, update)
 
 
 def dict_to_cfg(cfg_opt, **overrides):

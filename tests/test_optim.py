@@ -1,0 +1,268 @@
+"""Optimisers: which parameters Muon takes and how, weight-decay masks, the schedule, and QK-clip.
+
+The Muon/AdamW split and the decay mask are checked on the real model's parameters; QK-clip against
+a float64 NumPy evaluation of a GatedMLA layer's per-head max logits.
+"""
+
+import math
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from moejax.config import base_config, validate
+from moejax.layers.mla import GatedMLA, max_logits
+from moejax.layers.short_conv import document_ids
+from moejax.model import build_model
+from moejax.optim import (
+  learning_rate_schedule,
+  make_optimizer,
+  matrix_axes,
+  muon_dimension_numbers,
+  qk_clip,
+  weight_decay_mask,
+)
+from moejax.train_step import init_state, logical_axes, make_train_step
+
+
+def small_config(layer_pattern="KM", num_dense_layers=1, **optim):
+  c = base_config()
+  c.data.vocab_size = 300
+  m = c.model
+  m.d_model = 32
+  m.layer_pattern = layer_pattern
+  m.num_layers = len(layer_pattern)
+  m.num_dense_layers = num_dense_layers
+  m.kda.num_heads, m.kda.head_k_dim, m.kda.head_v_dim, m.kda.gate_rank = 2, 16, 16, 8
+  m.mla.num_heads, m.mla.q_lora_rank, m.mla.kv_lora_rank = 4, 16, 16
+  m.mla.qk_nope_head_dim, m.mla.v_head_dim = 8, 8
+  m.attnres.block_size = 2
+  m.ffn.hidden_dim = 64
+  m.moe.num_experts, m.moe.top_k, m.moe.shared_hidden_dim = 4, 2, 32
+  m.moe.latent_dim, m.moe.expert_hidden_dim = 16, 16
+  c.optim.update(optim)
+  return validate(c)
+
+
+@pytest.fixture(scope="module")
+def model_axes():
+  """(flat {path: logical axes}, flat {path: shape}) of the small model, from an abstract init."""
+  model = build_model(small_config())
+  boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32)))["params"]
+  axes = traverse_util.flatten_dict(logical_axes(boxed))
+  shapes = traverse_util.flatten_dict(nn.unbox(boxed))
+  return axes, {k: tuple(v.shape) for k, v in shapes.items()}
+
+
+@pytest.mark.parametrize("names, want", [
+    (("embed", "mlp"), ((0,), (1,))),
+    (("mlp", "embed"), ((0,), (1,))),
+    (("embed", "heads", "kv"), ((0,), (1, 2))),
+    (("q_lora", "heads", "kv"), ((0,), (1, 2))),
+    (("rank", "heads", "kv"), ((0,), (1, 2))),
+    (("heads", "kv", "embed"), ((0, 1), (2,))),  # MLA/KDA W_o contracts heads and head dim
+    (("expert", "latent", "mlp"), ((1,), (2,))),  # the expert axis is a batch of matrices
+    (("expert", "mlp", "latent"), ((1,), (2,))),
+    (("vocab", "embed"), None),
+    (("embed", "vocab"), None),
+    (("embed", "expert"), None),  # router
+    (("conv", "heads", "kv"), None),
+    (("heads", "kv"), None),  # per-head bias
+    (("norm",), None),
+    (("embed",), None),
+    (("heads",), None),
+])
+def test_matrix_axes_from_logical_names(names, want):
+  assert matrix_axes(names) == want
+
+
+def test_muon_takes_exactly_the_weight_matrices_of_the_model(model_axes):
+  axes, shapes = model_axes
+  dims = traverse_util.flatten_dict(muon_dimension_numbers(traverse_util.unflatten_dict(axes)))
+  adam = {k for k, d in dims.items() if d is None}
+  adam_multi_dim = {"/".join(k) for k in adam if len(shapes[k]) >= 2}
+  want_adam_multi_dim = {"embedding", "head", "layer_1/moe/router"} | {
+      f"layer_0/kda/{n}" for n in ("conv_q", "conv_k", "conv_v", "dt_bias", "gate_bias")}
+  assert adam_multi_dim == want_adam_multi_dim
+  assert all(len(shapes[k]) == 1 for k in adam if "/".join(k) not in want_adam_multi_dim)
+  for k, d in dims.items():
+    if d is None:
+      continue
+    names = axes[k]
+    covered = sorted(d.reduction_axis + d.output_axis)
+    batch = [i for i in range(len(names)) if i not in covered]
+    assert batch == ([0] if names[0] == "expert" else []), (k, d)
+    # The reduction axes are what the layer contracts with its input.
+    contracted = {"w_o": ("heads", "kv")}.get(k[-1])
+    assert tuple(names[i] for i in d.reduction_axis) == (contracted or (names[covered[0]],)), (k, d)
+
+
+def _muon_update(grads, params, axes, **optim):
+  tx = make_optimizer(small_config(name="muon", warmup_steps=0, grad_clip=0.0, **optim).optim, axes, 10)
+  return tx.update(grads, tx.init(params), params)[0]
+
+
+def test_muon_orthogonalises_each_expert_on_its_own():
+  # Expert 0's gradient is 1000x expert 1's: treated as one matrix, expert 1's update would vanish.
+  axes = {"w": ("expert", "latent", "mlp")}
+  g = jax.random.normal(jax.random.key(0), (2, 16, 24))
+  g = g.at[0].multiply(1000.0)
+  params = {"w": jnp.zeros((2, 16, 24))}
+  u = _muon_update({"w": g}, params, axes, weight_decay=0.0)["w"]
+  for e in range(2):
+    s = np.linalg.svd(np.asarray(u[e]), compute_uv=False)
+    assert s.max() / s.min() < 2.0, (e, s)  # Newton-Schulz: all singular values near one scale
+  norms = np.linalg.norm(np.asarray(u).reshape(2, -1), axis=1)
+  assert 0.9 < norms[0] / norms[1] < 1.1
+
+
+def test_weight_decay_mask_of_the_model(model_axes):
+  axes, _ = model_axes
+  mask = traverse_util.flatten_dict(weight_decay_mask(traverse_util.unflatten_dict(axes)))
+  no_decay = {"/".join(k) for k, m in mask.items() if not m}
+  for name in no_decay:
+    leaf = name.split("/")[-1]
+    assert (leaf in ("scale", "query", "A_log", "dt_bias", "gate_bias", "o_norm_scale", "latent_norm",
+                     "router")), name
+  for name in ("embedding", "head", "layer_0/kda/conv_q", "layer_0/kda/w_o", "layer_1/mla/w_uq",
+               "layer_1/moe/expert_up", "layer_0/ffn/down/kernel"):
+    assert mask[tuple(name.split("/"))], name
+  for name in ("layer_0/kda/dt_bias", "layer_0/kda/A_log", "layer_1/moe/router", "final_norm/scale",
+               "layer_1/mla/q_norm/scale"):
+    assert not mask[tuple(name.split("/"))], name
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_decoupled_decay_follows_the_mask_on_both_sides(name):
+  """With zero gradients the whole update is the decay: -lr * wd * p where masked, else 0. Muon's
+  matrices use optim.lr, its AdamW side optim.adam_lr."""
+  axes = {"w": ("embed", "mlp"), "emb": ("vocab", "embed"), "norm": ("norm",), "bias": ("heads", "kv")}
+  params = {k: jax.random.normal(jax.random.key(i), (4, 6)) for i, k in enumerate(("w", "emb", "bias"))}
+  params["norm"] = jnp.full((6,), 2.0)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  lr, adam_lr, wd = 0.02, 0.003, 0.1
+  tx = make_optimizer(small_config(name=name, lr=lr, adam_lr=adam_lr, weight_decay=wd, warmup_steps=0).optim,
+                      axes, 10)
+  u = tx.update(zeros, tx.init(params), params)[0]
+  w_lr = lr
+  emb_lr = adam_lr if name == "muon" else lr
+  chex.assert_trees_all_close(u["w"], -w_lr * wd * params["w"], rtol=1e-6)
+  chex.assert_trees_all_close(u["emb"], -emb_lr * wd * params["emb"], rtol=1e-6)
+  chex.assert_trees_all_equal(u["norm"], jnp.zeros_like(params["norm"]))
+  chex.assert_trees_all_equal(u["bias"], jnp.zeros_like(params["bias"]))
+
+
+def test_warmup_cosine_schedule_values():
+  cfg = small_config(lr=1e-3, warmup_steps=10, final_lr_fraction=0.1).optim
+  f = learning_rate_schedule(cfg, 110)
+  np.testing.assert_allclose([f(0), f(5), f(10)], [0.0, 5e-4, 1e-3], rtol=1e-6)
+  # Cosine from the peak at step 10 to 10% of it at step 110: halfway at step 60.
+  np.testing.assert_allclose(f(60), 0.5 * (1e-3 + 1e-4), rtol=1e-6)
+  np.testing.assert_allclose(f(35), 1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * 0.25)), rtol=1e-6)
+  np.testing.assert_allclose([f(110), f(200)], [1e-4, 1e-4], rtol=1e-6)
+  # A warmup as long as the run is cut so the peak is still reached.
+  g = learning_rate_schedule(small_config(lr=1e-3, warmup_steps=50).optim, 20)
+  np.testing.assert_allclose(g(19), 1e-3, rtol=1e-6)
+
+
+def _mla_case():
+  cfg = ml_collections.FrozenConfigDict(small_config().model)
+  x = jax.random.normal(jax.random.key(1), (2, 24, cfg.d_model))
+  seg = jnp.array([[1] * 10 + [2] * 14, [5] * 24], jnp.int32)
+  mla = GatedMLA(cfg)
+  params = nn.unbox(jax.jit(mla.init)(jax.random.key(2), x, seg)["params"])
+  # Larger q/k weights spread the heads' max logits well apart.
+  params["w_uq"] = params["w_uq"] * jnp.array([1.0, 3.0, 6.0, 10.0])[None, :, None]
+
+  @jax.jit
+  def project(params):
+    """Queries [B,T,H,K] and the kv latent [B,T,C], and the layer's own sown max logits."""
+    q = mla.apply({"params": params}, x, method=GatedMLA.queries)
+    c = mla.apply({"params": params}, x, method=GatedMLA.kv_latent)
+    _, stats = mla.apply({"params": params}, x, seg, mutable=["attn_stats"])
+    return q, c, stats["attn_stats"]["max_logit"][0]
+
+  return cfg, params, seg, project
+
+
+def _reference_max_logits(project, params, seg, scale):
+  """Float64 NumPy: max over causal same-document pairs of q.k * scale, per head."""
+  q, c, _ = jax.device_get(project(params))
+  k = np.einsum("btc,chk->bthk", np.float64(c), np.asarray(params["w_uk"], np.float64))
+  logits = np.einsum("bshk,bthk->bhst", np.float64(q), k) * scale
+  doc = np.asarray(document_ids(seg))
+  T = seg.shape[1]
+  ok = (doc[:, :, None] == doc[:, None, :]) & np.tril(np.ones((T, T), bool))[None]
+  return np.max(np.where(ok[:, None], logits, -np.inf), axis=(0, 2, 3))
+
+
+def test_qk_clip_brings_hot_heads_to_tau_and_leaves_the_rest():
+  cfg, params, seg, project = _mla_case()
+  scale = cfg.mla.qk_nope_head_dim ** -0.5
+  m_H = _reference_max_logits(project, params, seg, scale)
+  # The layer's own statistic (what the train step feeds QK-clip) and `max_logits` over blocks
+  # smaller than the row both match the reference.
+  q, c, sown_H = project(params)
+  np.testing.assert_allclose(sown_H, m_H, rtol=1e-5)
+  k = jnp.einsum("btc,chk->bthk", c, params["w_uk"])
+  blocked = jax.jit(max_logits, static_argnums=(3, 4))(q, k, document_ids(seg), scale, 8)
+  np.testing.assert_allclose(blocked, m_H, rtol=1e-5)
+
+  order = np.argsort(m_H)
+  tau = 0.5 * (m_H[order[1]] + m_H[order[2]])
+  hot = m_H > tau
+  assert hot.sum() == 2
+  clipped = qk_clip({"layer": {"mla": params}}, {("layer", "mla"): jnp.asarray(m_H, jnp.float32)},
+                    float(tau))["layer"]["mla"]
+  new_H = _reference_max_logits(project, clipped, seg, scale)
+  np.testing.assert_allclose(new_H[hot], tau, rtol=1e-5)
+  np.testing.assert_array_equal(new_H[~hot], m_H[~hot])
+  for name in ("w_uq", "w_uk"):
+    np.testing.assert_array_equal(np.asarray(clipped[name])[:, ~hot], np.asarray(params[name])[:, ~hot])
+  # Query and key share the shrink evenly (alpha = 1/2).
+  ratio = np.asarray(clipped["w_uq"][0, :, 0] / params["w_uq"][0, :, 0])
+  np.testing.assert_allclose(ratio[hot], np.sqrt(tau / m_H[hot]), rtol=1e-5)
+  for name in params:
+    if name not in ("w_uq", "w_uk"):
+      chex.assert_trees_all_equal(clipped[name], params[name])
+
+
+def test_muon_train_step_with_qk_clip():
+  """A jitted Muon step with QK-clip stays finite, and after it every MLA head's max logit sits
+  at tau: the initial maxima are all above tau, so every head was clipped."""
+  # One MLA layer with a dense FFN keeps the compile short; Muon on experts is tested above.
+  config = small_config("M", 1, name="muon", lr=1e-4, adam_lr=1e-4, warmup_steps=0, qk_clip_tau=1.0)
+  model = build_model(config)
+  state, optimizer, _ = init_state(model, config, jax.random.key(0), 10)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(3, 300, (4, 32)).astype(np.int32)
+  seg = np.repeat(np.array([[1] * 20 + [2] * 12]), 4, axis=0).astype(np.int32)
+  batch = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1), "segment_ids": seg,
+           "positions": np.zeros_like(tokens), "loss_mask": np.ones(tokens.shape, np.float32)}
+
+  @jax.jit
+  def head_max(params):
+    _, stats = model.apply({"params": params, "balance": state.balance}, tokens, seg,
+                           mutable=["router", "attn_stats"])
+    return stats["attn_stats"]["layer_0"]["mla"]["max_logit"][0]
+
+  # Scale W_uq so each head starts well above tau.
+  state = state.replace(params=jax.tree_util.tree_map_with_path(
+      lambda p, w: w * 4.0 if "w_uq" in jax.tree_util.keystr(p) else w, state.params))
+  before = np.asarray(head_max(state.params))
+  assert before.min() > 2.0, before
+  step = jax.jit(make_train_step(model, optimizer, config, 10))
+  for i in range(3):
+    state, metrics = step(state, batch)
+    assert np.isfinite(float(metrics["loss"])) and bool(metrics["finite"])
+    if i == 0:
+      # lr is small, so the update moves the logits far less than the clip: all heads near tau.
+      np.testing.assert_allclose(head_max(state.params), 1.0, rtol=0.05)
+  schedules = {k: learning_rate_schedule(config.optim, 10) for k in ("lr", "adam_lr")}
+  for k, f in schedules.items():
+    assert float(metrics[k]) == pytest.approx(float(f(2)), rel=1e-6)
