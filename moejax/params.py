@@ -19,7 +19,6 @@ from ml_collections import config_flags
 
 from moejax.model import build_model
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=False)
 
 
 def _component(path: tuple[str, ...]) -> str:
@@ -84,14 +83,17 @@ def format_table(counts: dict) -> str:
   return "\n".join(lines)
 
 
-def main(argv):
+def main(argv, config_flag):
   del argv
-  if _CONFIG.value is None:
+  if config_flag.value is None:
     sys.exit("--config is required, e.g. --config experiments/k3.py")
-  counts = count_params(_CONFIG.value)
+  counts = count_params(config_flag.value)
   print(format_table(counts))
   print(json.dumps({"total": counts["total"], "active": counts["active"]}))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  # Defined here, not at import, so that importing count_params claims no global flag names.
+  _config_flag = config_flags.DEFINE_config_file("config", None, "experiment config file",
+                                                 lock_config=False)
+  app.run(lambda argv: main(argv, _config_flag))

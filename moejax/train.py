@@ -26,8 +26,6 @@ from moejax.model import build_model
 from moejax.monitor import Monitor, to_row
 from moejax.train_step import init_state, make_eval_step, make_train_step
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=False)
-_WORKDIR = flags.DEFINE_string("workdir", None, "directory for checkpoints and logs")
 
 log = logging.getLogger("moejax.train")
 
@@ -132,16 +130,25 @@ def _iterator_for_step(config, stages, step):
   return iter(_batch_iterator(config, stages[idx], "train", config.train.seed + idx))
 
 
-def main(argv):
+def _define_flags():
+  """Flags are defined only when run as a program: importing this module (tests, notebooks, other
+  entry points such as moejax.params) must not claim the global absl flag names."""
+  config = config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=False)
+  workdir = flags.DEFINE_string("workdir", None, "directory for checkpoints and logs")
+  return config, workdir
+
+
+def main(argv, config_flag, workdir_flag):
   del argv
-  if _CONFIG.value is None or _WORKDIR.value is None:
+  if config_flag.value is None or workdir_flag.value is None:
     sys.exit("usage: python -m moejax.train --config experiments/tiny.py --workdir DIR "
              "[--config.optim.lr=1e-3 --config.train.stages='((128, 30, 2048),)' ...]\n"
              "--config (an experiment file) and --workdir (checkpoints and logs) are required")
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-  row = run(_CONFIG.value, _WORKDIR.value)
+  row = run(config_flag.value, workdir_flag.value)
   print(json.dumps({k: v for k, v in row.items() if isinstance(v, int | float)}))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _flags = _define_flags()
+  app.run(lambda argv: main(argv, *_flags))

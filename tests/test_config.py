@@ -59,3 +59,14 @@ def test_bad_configs_fail_clearly(overrides, message):
 def test_derived_head_widths():
   c = validate(_with(model__kda__head_k_dim=None, model__mla__qk_nope_head_dim=None))
   assert c.model.kda.head_k_dim == 16 and c.model.mla.qk_nope_head_dim == 16
+
+
+def test_entry_points_import_together():
+  """Both command-line entry points import into one process (a test worker, a notebook) without
+  claiming the same absl flag names at import time."""
+  import subprocess
+  import sys
+  code = "import moejax.params, moejax.train; print('imported')"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "imported" in out.stdout
