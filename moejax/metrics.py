@@ -35,9 +35,10 @@ def expert_loads(router_stats) -> dict[str, jnp.ndarray]:
 
 
 def balance_metrics(router_stats, balance_vars=None, top_k: int = 1, prefix: str = "moe") -> dict:
-  """Flat dict of scalars: per layer maxvio_batch, top_share, load_min/load_max (over the mean),
-  dropped, and with `balance_vars` (the state after this step's update) maxvio_global; plus their
-  means over layers (maxvio_batch, maxvio_global), the summed aux_loss and the total dropped."""
+  """Flat dict: per layer the expert load vector `load` [n] (over its mean, so 1 is a fair share)
+  and the scalars maxvio_batch, top_share, load_min/load_max (over the mean), dropped, and with
+  `balance_vars` (the state after this step's update) maxvio_global; plus their means over layers
+  (maxvio_batch, maxvio_global), the summed aux_loss and the total dropped."""
   out = {}
   totals = dict(_layers(balance_vars)) if balance_vars is not None else {}
   batch, glob, dropped, aux = [], [], [], []
@@ -46,6 +47,7 @@ def balance_metrics(router_stats, balance_vars=None, top_k: int = 1, prefix: str
     load = jnp.asarray(stats["load"], jnp.float32)
     mean = jnp.maximum(jnp.mean(load, axis=-1), 1e-9)
     tokens = jnp.maximum(jnp.sum(load, axis=-1) / top_k, 1e-9)
+    out[f"{name}/load"] = load / mean[..., None]
     out[f"{name}/maxvio_batch"] = maxvio(load)
     out[f"{name}/top_share"] = jnp.max(load, axis=-1) / tokens
     out[f"{name}/load_max"] = jnp.max(load, axis=-1) / mean

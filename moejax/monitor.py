@@ -6,6 +6,10 @@ steps while it stays there: a router that keeps overloading a few experts is the
 of collapse, long before the loss shows it. The worst layer, not the mean over layers, because one
 collapsed layer among many barely moves the mean.
 
+Per-expert loads (`moe/<layer>/load`, one value per expert, 1 = a fair share) are vectors: at
+logging steps they go to the JSONL row as lists and to TensorBoard as one histogram per layer,
+since hundreds of experts times tens of layers would swamp the scalar dashboard.
+
 A resumed run first drops what the previous process logged past the restored step (JSONL rows
 and, through TensorBoard's purge step, its events), so each step appears once.
 """
@@ -25,15 +29,11 @@ _MEAN_MAXVIO = "moe/maxvio_batch"
 
 
 def to_row(metrics) -> dict:
-  """Flattens a dict of scalars and small arrays into {name: float}; vectors become name/i entries."""
+  """{name: float} for scalars and {name: list of floats} for arrays (flattened)."""
   row = {}
   for name, value in metrics.items():
     a = np.asarray(value)
-    if a.size == 1:
-      row[name] = float(a.reshape(()))
-    else:
-      for i, v in enumerate(a.reshape(-1)):
-        row[f"{name}/{i}"] = float(v)
+    row[name] = float(a.reshape(())) if a.size == 1 else [float(v) for v in a.reshape(-1)]
   return row
 
 
@@ -83,11 +83,14 @@ class Monitor:
     self.skipped = 0  # steps whose update the NaN/Inf guard skipped, in this process
 
   def record(self, step: int, row: dict) -> None:
-    self.jsonl.write(json.dumps(row) + "\n")
-    every = self.config.train.log_every
-    if step % every == 0 or "val_loss" in row:
+    log_now = step % self.config.train.log_every == 0 or "val_loss" in row
+    scalars = {k: v for k, v in row.items() if not isinstance(v, list)}
+    self.jsonl.write(json.dumps(row if log_now else scalars) + "\n")
+    if log_now:
       for k, v in row.items():
-        if isinstance(v, float) and np.isfinite(v):
+        if isinstance(v, list):
+          self.writer.add_histogram(k, np.asarray(v), step)
+        elif isinstance(v, float) and np.isfinite(v):
           self.writer.add_scalar(k, v, step)
       self.jsonl.flush()
     self.bar.update(1)

@@ -20,7 +20,6 @@ from ml_collections import config_flags
 from moejax.model import build_model
 
 
-
 def _component(path: tuple[str, ...]) -> str:
   """Names the part of the model a parameter belongs to, for the table."""
   names = [str(getattr(k, "key", k)) for k in path]

@@ -26,7 +26,6 @@ from moejax.model import build_model
 from moejax.monitor import Monitor, to_row
 from moejax.train_step import init_state, make_eval_step, make_train_step
 
-
 log = logging.getLogger("moejax.train")
 
 
@@ -79,29 +78,49 @@ def run(config, workdir: str) -> dict:
   train_step = jax.jit(make_train_step(model, optimizer, config, total_steps), donate_argnums=0)
   eval_step = jax.jit(make_eval_step(model, config))
   monitor = Monitor(workdir, config, total_steps, start_step=int(state.step))
-  row = {}
   step = int(state.step)
   stage_idx, _ = stage_at(stages, step)
   save_due = False
+  # The metrics of step s are read after step s+1 is dispatched, so the host never waits for the
+  # device between steps (the NaN guard may therefore stop the run one step after it trips).
+  pending = None
+  clock = {"last": time.perf_counter()}
+  row = {}
+
+  def finish(pending, eval_state=None) -> dict:
+    """Reads a step's metrics, adds the validation loss of `eval_state` if given, and logs them."""
+    step_done, metrics, extra = pending
+    row = to_row(jax.device_get(metrics))
+    now = time.perf_counter()
+    row.update(step=step_done, tokens_per_s=extra.pop("tokens") / (now - clock["last"]), **extra)
+    if eval_state is not None:
+      row.update(evaluate(eval_step, eval_state, config, stages[row["stage"]]))
+      now = time.perf_counter()  # evaluation time is not training throughput
+    clock["last"] = now
+    monitor.record(step_done, row)
+    if row["bad_steps"] >= config.train.max_bad_steps:
+      last = manager.latest_step()
+      where = (f"the last good checkpoint is step {last} in {manager.directory}" if last is not None
+               else "no checkpoint was written before them")
+      raise FloatingPointError(f"{int(row['bad_steps'])} consecutive non-finite steps up to step "
+                               f"{step_done} (train.max_bad_steps={config.train.max_bad_steps}): "
+                               f"stopping; {where}")
+    return row
+
   try:
     while step < total_steps:
       batch = next(data_it)
-      t0 = time.perf_counter()
       state, m = train_step(state, batch)
       step += 1
-      row = to_row(jax.device_get(m))
-      row.update(step=step, stage=stage_idx, seq_len=stages[stage_idx][0],
-                 tokens_per_s=float(np.sum(batch["loss_mask"] >= 0)) / (time.perf_counter() - t0))
+      extra = {"stage": stage_idx, "seq_len": stages[stage_idx][0],
+               "tokens": float(np.sum(batch["loss_mask"] >= 0))}
+      if pending is not None:
+        row = finish(pending)
+      pending = None
       if config.train.eval_every and step % config.train.eval_every == 0:
-        row.update(evaluate(eval_step, state, config, stages[stage_idx]))
-      monitor.record(step, row)
-      bad_steps = int(state.bad_steps)
-      if bad_steps >= config.train.max_bad_steps:
-        last = manager.latest_step()
-        where = (f"the last good checkpoint is step {last} in {manager.directory}" if last is not None
-                 else "no checkpoint was written before them")
-        raise FloatingPointError(f"{bad_steps} consecutive non-finite steps up to step {step} "
-                                 f"(train.max_bad_steps={config.train.max_bad_steps}): stopping; {where}")
+        row = finish((step, m, extra), eval_state=state)
+      else:
+        pending = (step, m, extra)
       # Switch streams before saving: a checkpoint at a stage boundary then holds the new stage's
       # fresh iterator, which is the one a restart at that step builds and loads it into.
       new_stage, _ = stage_at(stages, step)
@@ -111,10 +130,14 @@ def run(config, workdir: str) -> dict:
         data_it = _iterator_for_step(config, stages, step)
         log.info("stage %d: seq_len=%d", stage_idx, stages[stage_idx][0])
       save_due = save_due or step % config.train.checkpoint_every == 0 or step == total_steps
+      if save_due and pending is not None:
+        row, pending = finish(pending), None  # a checkpoint's step is logged before it is saved
       # A state that just skipped an update is not saved: the newest checkpoint stays a good one.
-      if save_due and bad_steps == 0:
+      if save_due and int(state.bad_steps) == 0:
         manager.save(step, state, data_it)
         save_due = False
+    if pending is not None:
+      row = finish(pending)
     if save_due:
       log.warning("the run ended on skipped (non-finite) steps, so its final state was not saved; the "
                   "newest checkpoint is step %s", manager.latest_step())

@@ -74,6 +74,15 @@ def _mla_max_logits(attn_stats):
   return out
 
 
+def applied_updates(opt_state) -> jax.Array:
+  """How many updates the optimizer has applied: its step `count`. Skipped (non-finite) steps keep
+  the whole old optimizer state, so every count in the chain stays equal to this."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+    if getattr(path[-1], "name", getattr(path[-1], "key", None)) == "count":
+      return leaf
+  raise ValueError("the optimizer state holds no step count")
+
+
 def make_train_step(model: Transformer, optimizer: optax.GradientTransformation, config, total_steps: int):
   """total_steps: the length the optimizer's schedule was built for (`init_state`), for the lr metric."""
   cfg = config.model
@@ -109,11 +118,12 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
         step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
         balance=keep(new_balance, state.balance), rng=jax.random.fold_in(state.rng, state.step),
         bad_steps=jnp.where(finite, 0, state.bad_steps + 1))
-    # The schedule at this step: what the update used unless earlier updates were skipped (the
-    # optimizer's own count does not advance on a skipped step).
-    lrs = {"lr": schedule(state.step)}
+    # The rate this update used: the schedule follows the optimizer's count, which a skipped step
+    # does not advance, so after skips it lags the step.
+    count = applied_updates(state.opt_state)
+    lrs = {"lr": schedule(count)}
     if config.optim.name == "muon":
-      lrs["adam_lr"] = adam_schedule(state.step)
+      lrs["adam_lr"] = adam_schedule(count)
     metrics = {**metrics, **lrs, "loss": loss, "grad_norm": grad_norm, "finite": finite,
                "bad_steps": next_state.bad_steps,
                **metrics_lib.balance_metrics(router_stats, new_balance, cfg.moe.top_k)}

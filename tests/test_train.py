@@ -209,19 +209,32 @@ def test_metrics_log_and_tensorboard(reference):
       name = f"moe/{layer}/moe"
       assert 0 <= r[f"{name}/maxvio_batch"] and 0.5 <= r[f"{name}/top_share"] <= 1.0
       assert r[f"{name}/load_min"] <= 1.0 <= r[f"{name}/load_max"]
+      load = np.asarray(r[f"{name}/load"])  # per expert, over the mean: logged every log_every steps
+      assert load.shape == (4,) and np.mean(load) == pytest.approx(1.0, rel=1e-5)
+      assert (load.min(), load.max()) == pytest.approx((r[f"{name}/load_min"], r[f"{name}/load_max"]))
   assert [r["step"] for r in rows if "val_loss" in r] == [10, 20]
   assert all(np.isfinite(r["val_loss"]) for r in rows if "val_loss" in r)
 
-  scalars = {}
+  scalars, histograms = {}, {}
   for name in os.listdir(os.path.join(reference["workdir"], "tb")):
     for event in _read_events(os.path.join(reference["workdir"], "tb", name)):
       for v in event.summary.value:
-        scalars.setdefault(v.tag, {})[event.step] = v.simple_value
+        if v.HasField("histo"):
+          histograms.setdefault(v.tag, {})[event.step] = v.histo
+        else:
+          scalars.setdefault(v.tag, {})[event.step] = v.simple_value
   moe_tags = [f"moe/{layer}/moe/{m}" for layer in MOE_LAYERS
               for m in ("maxvio_batch", "top_share", "load_max")]
   for tag in ("loss", "lr", "grad_norm", "tokens_per_s", *moe_tags):
     assert sorted(scalars[tag]) == list(range(1, TOTAL + 1)), tag
   assert sorted(scalars["val_loss"]) == [10, 20]
+  for layer in MOE_LAYERS:  # the per-expert load, one histogram per layer and step
+    histos = histograms[f"moe/{layer}/moe/load"]
+    assert sorted(histos) == list(range(1, TOTAL + 1))
+    for r in rows:
+      h, load = histos[r["step"]], r[f"moe/{layer}/moe/load"]
+      assert h.num == 4 and h.sum == pytest.approx(sum(load), rel=1e-5)
+      assert (h.min, h.max) == pytest.approx((min(load), max(load)), rel=1e-5)
   np.testing.assert_allclose([scalars["loss"][s] for s in range(1, TOTAL + 1)],
                              [r["loss"] for r in rows], rtol=1e-6)
 
@@ -322,6 +335,9 @@ def test_nan_guard_skips_counts_and_stops(reference, tmp_path, monkeypatch, capl
   assert [r["step"] for r in rows] == [11, 12, 13, 14, 15]
   assert [r["finite"] for r in rows] == [1, 1, 0, 0, 0]
   assert [r["bad_steps"] for r in rows] == [0, 0, 1, 2, 3]
+  # The logged rate is the one each update used: a skipped step does not advance the schedule.
+  schedule = learning_rate_schedule(config.optim, TOTAL)
+  assert [r["lr"] for r in rows] == pytest.approx([float(schedule(n)) for n in (10, 11, 12, 12, 12)])
   assert_same_rows(rows[:2], reference["rows"][10:12])
   assert caplog.text.count("update skipped") == 3
 
@@ -440,6 +456,23 @@ def test_monitor_drops_a_killed_runs_tail_on_resume(tmp_path):
     f.write('{"step": 8, "lo')  # cut off by the kill
   Monitor(str(tmp_path), config, total_steps=10, start_step=5).close()
   assert [r["step"] for r in read_rows(tmp_path)] == [1, 2, 3, 4, 5]
+
+
+def test_monitor_logs_load_vectors_only_at_logging_steps(tmp_path):
+  config = base_config()
+  config.train.update(progress_bar=False, log_every=3)
+  monitor = Monitor(str(tmp_path), config, total_steps=6)
+  for step in range(1, 7):
+    monitor.record(step, {"step": step, "loss": 1.0, "moe/layer_0/moe/load": [0.5, 1.5, 1.0, 1.0]})
+  monitor.close()
+  rows = read_rows(tmp_path)
+  assert [r["step"] for r in rows] == list(range(1, 7))
+  assert [s for s, r in enumerate(rows, start=1) if "moe/layer_0/moe/load" in r] == [3, 6]
+  assert rows[2]["moe/layer_0/moe/load"] == [0.5, 1.5, 1.0, 1.0]
+  histograms = [(e.step, v.histo.num) for name in os.listdir(tmp_path / "tb")
+                for e in _read_events(os.path.join(tmp_path, "tb", name))
+                for v in e.summary.value if v.HasField("histo")]
+  assert histograms == [(3, 4), (6, 4)]
 
 
 def test_cli_without_flags_prints_usage():
