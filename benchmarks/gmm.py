@@ -12,10 +12,8 @@ device before anything is timed.
 import argparse
 import functools
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +22,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report import replace_section  # noqa: E402
+from benchmarks.timing import time_ms  # noqa: E402
 from pallas_kernels.gmm import DEFAULT_TILING, Tile, Tiling, gmm  # noqa: E402
 from pallas_kernels.gmm.kernel import gmm_pallas, tgmm_pallas  # noqa: E402
 
@@ -48,23 +47,9 @@ def zipf_group_sizes(g, m, seed=0, exponent=1.0):
   return rng.multinomial(m, p / p.sum()).astype(np.int32)
 
 
-def bench(f, *args, reps=15, batch_s=0.01, max_inner=20):
-  """Median seconds per call. Calls are queued back to back in batches; max_inner bounds how many
-  outputs are alive at once. Calls slower than 0.2 s get 5 batches of one."""
-  jax.block_until_ready(f(*args))
-  t0 = time.perf_counter()
-  jax.block_until_ready(f(*args))
-  one = time.perf_counter() - t0
-  inner = max(1, min(max_inner, int(batch_s / max(one, 1e-6))))
-  reps = 5 if one > 0.2 else reps
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(inner):
-      out = f(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / inner)
-  return statistics.median(times)
+def bench(f, *args):
+  """Median seconds per call (benchmarks.timing.time_ms)."""
+  return time_ms(f, *args) * 1e-3
 
 
 def rel_err(a, b):

@@ -15,9 +15,14 @@ import datetime
 import functools
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from benchmarks.flops import kda_forward_flops_per_token  # noqa: E402
+from benchmarks.timing import time_ms  # noqa: E402  (imports jax lazily: the fla child shares this file)
 
 SHAPES = ((2, 8192), (1, 32768), (1, 131072))
 H, D, LB = 16, 128, -5.0
@@ -112,27 +117,6 @@ def kda_fns(impl, config=None):
   return jax.jit(run), jax.jit(fwd_bwd)
 
 
-def time_ms(fn, *args, calls=None, repeats=None):
-  """Median over `repeats` of the mean time of `calls` back-to-back calls (one sync per group); by
-  default about 20 ms per group and 0.5 s in all."""
-  jax, _ = _jax()
-  jax.block_until_ready(fn(*args))
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  once = time.perf_counter() - t0
-  calls = calls or max(1, min(20, int(0.02 / once)))
-  repeats = repeats or max(3, min(15, int(0.5 / (once * calls))))
-  samples = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / calls * 1e3)
-  samples.sort()
-  return samples[len(samples) // 2]
-
-
 def rel_err(xs, refs):
   _, jnp = _jax()
   f32 = lambda x: jnp.asarray(x, jnp.float32)
@@ -149,15 +133,9 @@ def reference(inputs):
 
 def ceilings():
   """Measured copy bandwidth (bytes read + written per second) and bf16 matmul rate on this GPU."""
-  jax, jnp = _jax()
-  x = jnp.ones((512, 1024, 1024), jnp.float32)  # 2 GiB
-  copy = jax.jit(lambda x: x + 1.0)
-  bw = 2 * x.nbytes / (time_ms(copy, x, calls=5, repeats=7) * 1e-3)
-  del x
-  a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
-  mm = jax.jit(lambda a: a @ a)
-  flops = 2 * 8192**3 / (time_ms(mm, a, calls=5, repeats=7) * 1e-3)
-  return bw, flops
+  from benchmarks.timing import copy_bandwidth, matmul_rate
+
+  return copy_bandwidth(), matmul_rate()
 
 
 def floor_ms(B, T, both: bool, bw, flops, C=64):
@@ -168,8 +146,7 @@ def floor_ms(B, T, both: bool, bw, flops, C=64):
   bytes_ = 2 * (4 * n * D + n) + 2 * n * V                       # q k v g beta in, o out
   if both:
     bytes_ += 2 * (n * V) + 2 * (4 * n * D + n)                  # dO in; dq dk dv dg dbeta out
-  per_chunk = 2 * C * C * K + C * C * (K + V) + 6 * C * K * V + C * C * V
-  f = (n // C) * per_chunk * (3 if both else 1)
+  f = n / H * kda_forward_flops_per_token(H, K, V, C) * (3 if both else 1)
   return max(bytes_ / bw, f / flops) * 1e3
 
 

@@ -2,56 +2,29 @@
 
 python -m moejax.train --config experiments/1m.py --workdir runs/1m
 
-A ~1B-total hybrid MoE (3:1 KDA:MLA, 64 routed experts, quantile balancing). The stages keep the
-batch at 512K tokens until the 1M stage, which takes one full-length row. KDA carries position and
-cost linear in T; the four MLA layers are the quadratic part at 1M. The embedded corpus is short
-files, so long stages mostly see packed documents: point data.source at long documents for a real
-long-context run.
+The ~1B-total hybrid MoE of experiments/h200.py (3:1 KDA:MLA, 64 routed experts, quantile
+balancing), with every layer rematerialised. The stages keep the batch at 512K tokens until the 1M
+stage, which takes one full-length row. KDA carries position and cost linear in T; the four MLA
+layers are the quadratic part at 1M, and past 16K tokens their packed rows go through the Pallas
+flash kernel (`model.mla.attention`). The embedded corpus is short files, so long stages mostly see
+packed documents: point data.source at long documents for a real long-context run.
 """
 
-from moejax.config import base_config
+import importlib.util
+import pathlib
+
+
+def _h200_config():
+  path = pathlib.Path(__file__).with_name("h200.py")
+  spec = importlib.util.spec_from_file_location("moejax_experiment_h200", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
 
 
 def get_config():
-  c = base_config()
-  c.data.vocab_size = 32_768
-  c.data.max_bytes = 0  # the whole standard library
-
-  m = c.model
-  m.d_model = 1024
-  m.num_layers = 16
-  m.layer_pattern = "KKKM"
-  m.num_dense_layers = 1
-  m.dtype = "bfloat16"
-  m.remat = "full"
-  m.kda.num_heads = 8
-  m.kda.head_k_dim = 128
-  m.kda.head_v_dim = 128
-  m.kda.gate_rank = 128
-  m.kda.chunk_size = 64
-  m.mla.num_heads = 8
-  m.mla.q_lora_rank = 384
-  m.mla.kv_lora_rank = 256
-  m.mla.qk_nope_head_dim = 128
-  m.mla.v_head_dim = 128
-  m.attnres.block_size = 8  # 4 layers per block: 4 blocks over 16 layers
-  m.ffn.hidden_dim = 4096
-  m.moe.num_experts = 64
-  m.moe.top_k = 8
-  m.moe.num_shared = 1
-  m.moe.shared_hidden_dim = 1024
-  m.moe.latent_dim = 512
-  m.moe.expert_hidden_dim = 768
-  m.moe.routed_scaling = 2.5
-  m.moe.balance = "quantile"
-  m.loss.z_loss_weight = 1e-4
-
-  c.optim.name = "muon"
-  c.optim.lr = 0.02
-  c.optim.adam_lr = 3e-4
-  c.optim.warmup_steps = 200
-  c.optim.qk_clip_tau = 100.0
-
+  c = _h200_config()
+  c.model.remat = "full"
   t = c.train
   t.stages = (
       (8_192, 2_000, 524_288),
@@ -59,8 +32,4 @@ def get_config():
       (262_144, 200, 524_288),
       (1_048_576, 100, 1_048_576),
   )
-  t.log_every = 10
-  t.eval_every = 250
-  t.eval_batches = 2
-  t.checkpoint_every = 250
   return c

@@ -9,6 +9,8 @@ import ml_collections
 
 MIXERS = ("kda", "mla")
 BALANCE_MODES = ("quantile", "sign", "aux", "none")
+GROUPED_MATMULS = ("auto", "xla", "pallas", "interpret")
+MLA_ATTENTIONS = ("auto", "xla", "cudnn", "pallas", "interpret")
 RESIDUAL_MODES = ("attnres", "residual")
 KDA_IMPLEMENTATIONS = (None, "xla", "pallas", "interpret", "recurrent")
 
@@ -54,6 +56,9 @@ def base_config() -> ml_collections.ConfigDict:
   a.kv_lora_rank = 16
   a.qk_nope_head_dim = ml_collections.FieldReference(16, field_type=int)
   a.v_head_dim = ml_collections.FieldReference(16, field_type=int)
+  # "auto": cuDNN on GPU in 16-bit (the Pallas flash kernel for packed rows past 16K tokens, where a
+  # dense document mask no longer fits), XLA elsewhere. "interpret" runs the Pallas kernel on CPU.
+  a.attention = "auto"
 
   r = m.attnres = ml_collections.ConfigDict()
   r.mode = "attnres"  # "attnres" | "residual" (plain pre-norm residual, for ablation)
@@ -81,6 +86,9 @@ def base_config() -> ml_collections.ConfigDict:
   # padded CPU path and the ragged GPU path). Pairs past it are dropped and counted in router/dropped;
   # a factor >= the expert-axis size can never drop.
   e.capacity_factor = 2.0
+  # The experts' grouped matmuls: "auto" (Pallas kernel on GPU, jax.lax.ragged_dot elsewhere), "xla",
+  # "pallas" (GPU only) or "interpret" (the Pallas kernels in interpret mode, slow; for tests).
+  e.grouped_matmul = "auto"
 
   lo = m.loss = ml_collections.ConfigDict()
   lo.z_loss_weight = 0.0
@@ -166,6 +174,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
        f"model.kda.implementation={k.implementation!r} not in {KDA_IMPLEMENTATIONS}")
   need(k.conv_size >= 1, "model.kda.conv_size must be >= 1")
 
+  need(m.mla.attention in MLA_ATTENTIONS, f"model.mla.attention={m.mla.attention!r} not in {MLA_ATTENTIONS}")
   r = m.attnres
   need(r.mode in RESIDUAL_MODES, f"model.attnres.mode={r.mode!r} not in {RESIDUAL_MODES}")
   need(r.block_size >= 1, f"model.attnres.block_size={r.block_size} must be >= 1")
@@ -179,6 +188,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(1 <= e.top_k <= e.num_experts,
          f"model.moe.top_k={e.top_k} must be in [1, num_experts={e.num_experts}]")
     need(e.balance in BALANCE_MODES, f"model.moe.balance={e.balance!r} not in {BALANCE_MODES}")
+    need(e.grouped_matmul in GROUPED_MATMULS,
+         f"model.moe.grouped_matmul={e.grouped_matmul!r} not in {GROUPED_MATMULS}")
     need(e.num_shared >= 0, "model.moe.num_shared must be >= 0")
     need(e.latent_dim > 0 and e.expert_hidden_dim > 0, "model.moe latent/expert dims must be positive")
   from moejax.data.config import validate_data_config

@@ -45,6 +45,8 @@ def _with(**overrides):
     (dict(model__kda__chunk_size=24), r"chunk_size=24 must be a positive multiple of the 16-token tile"),
     (dict(model__moe__top_k=9), r"top_k=9 must be in \[1, num_experts=8\]"),
     (dict(model__moe__balance="magic"), r"balance='magic' not in"),
+    (dict(model__moe__grouped_matmul="triton"), r"grouped_matmul='triton' not in"),
+    (dict(model__mla__attention="flash"), r"mla.attention='flash' not in"),
     (dict(model__attnres__mode="sum"), r"attnres.mode='sum'"),
     (dict(model__num_dense_layers=9), r"num_dense_layers=9"),
     (dict(train__stages=[(128, 10, 1000)]), r"not a multiple of seq_len=128"),

@@ -247,3 +247,34 @@ def test_bad_inputs_raise():
     layer.apply({"params": params}, x, jnp.zeros((2, 11), jnp.float32))
   with pytest.raises(ValueError, match="attention_impl"):
     GatedMLA(BASE, attention_impl="flash").apply({"params": params}, x)
+
+
+@pytest.mark.parametrize("T", [11, 130])
+def test_pallas_flash_attention_matches_reference(T):
+  """The Pallas flash kernel (interpret mode; `model.mla.attention="pallas"` on GPU) vs the float64
+  reference on packed rows of a length that is not a multiple of its 128-token tile, with gradients."""
+  cfg = make_cfg(attention="interpret")
+  layer, params, x = setup_layer(cfg, B=2, T=T, seed=3)
+  rng = np.random.default_rng(4)
+  seg = np.sort(rng.integers(0, 4, size=(2, T)), axis=1).astype(np.int32)
+  y = jax.jit(lambda p, x, s: layer.apply({"params": p}, x, s))(params, x, jnp.asarray(seg))
+  y_ref, _ = reference(to64(params), np.asarray(x, np.float64), seg, cfg)
+  np.testing.assert_allclose(np.asarray(y), y_ref, rtol=1e-4, atol=1e-5)
+  r = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+  loss = lambda p, x: jnp.sum(layer.apply({"params": p}, x, jnp.asarray(seg)) * r)
+  loss_ref = lambda p, x: jnp.sum(reference(p, x, seg, cfg, xp=jnp)[0] * r)
+  g, g_ref = jax.jit(lambda p, x: (jax.grad(loss, (0, 1))(p, x), jax.grad(loss_ref, (0, 1))(p, x)))(params, x)
+  chex.assert_trees_all_close(g, g_ref, rtol=2e-4, atol=2e-5)
+
+
+def test_attention_choice():
+  layer = GatedMLA(make_cfg("bfloat16"))
+  on_gpu = jax.default_backend() == "gpu"
+  assert layer.implementation(8192, packed=True) == ("cudnn" if on_gpu else "xla")
+  assert layer.implementation(65536, packed=True) == ("pallas" if on_gpu else "xla")
+  assert layer.implementation(65536, packed=False) == ("cudnn" if on_gpu else "xla")
+  assert GatedMLA(make_cfg()).implementation(65536, packed=True) == "xla"  # float32
+  assert GatedMLA(make_cfg(attention="interpret")).implementation(8, packed=False) == "interpret"
+  if not on_gpu:
+    with pytest.raises(ValueError, match="needs a GPU backend"):
+      GatedMLA(make_cfg(attention="pallas")).apply({"params": BASE_PARAMS}, BASE_X)

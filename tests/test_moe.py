@@ -98,8 +98,11 @@ def test_params_and_state_layout(setup):
   assert set(balance) == {"bias", "load_total"}
 
 
-def test_matches_per_token_loop_with_gradients(setup):
-  cfg, model, x, params, balance = setup
+@pytest.mark.parametrize("grouped_matmul", ["xla", "interpret"])
+def test_matches_per_token_loop_with_gradients(setup, grouped_matmul):
+  """Both grouped matmuls: jax.lax.ragged_dot and the Pallas kernels (interpret mode) used on GPU."""
+  cfg, _, x, params, balance = setup
+  model = MoE(small_cfg(grouped_matmul=grouped_matmul))
   x_MD = x.reshape(B * T, -1)
   chosen = chosen_experts(params, balance["bias"], x_MD, cfg.moe.top_k)
   cot = normal(3, x.shape)

@@ -1,21 +1,31 @@
 """Dropless local dispatch: sort (token, slot) pairs by expert, grouped SiTU-GLU, un-sort, combine.
 
-The grouped matmul is `jax.lax.ragged_dot` for now (a faster kernel replaces it later). Rows past the
-sum of the group sizes come out as zeros, which the expert-parallel paths rely on for padding.
+The grouped matmuls are `pallas_kernels.gmm` (`implementation`: "auto" is the Pallas kernel on GPU
+and `jax.lax.ragged_dot` elsewhere). Rows past the sum of the group sizes come out as zeros, which the
+expert-parallel paths rely on for padding.
 """
 
-import jax
 import jax.numpy as jnp
 
+from moejax.config import GROUPED_MATMULS
 from moejax.layers.ffn import situ_glu
+from pallas_kernels.gmm import gmm
 
 
-def grouped_situ_glu(x_RL, group_sizes_G, w_gate_GLF, w_up_GLF, w_down_GFL, b1: float, b2: float):
-  """Row r, in group g, gets W_d[g] situ_glu(W_g[g] x_r, W_u[g] x_r). Returns float32 [R, L]."""
-  dtype = x_RL.dtype
+def grouped_situ_glu(x_RL, group_sizes_G, w_gate_GLF, w_up_GLF, w_down_GFL, b1: float, b2: float,
+                     implementation: str = "auto"):
+  """Row r, in group g, gets W_d[g] situ_glu(W_g[g] x_r, W_u[g] x_r). Returns float32 [R, L].
+
+  Gate and up run as one grouped matmul over [W_g | W_u]: one pass over the rows instead of two.
+  """
+  if implementation not in GROUPED_MATMULS:
+    raise ValueError(f"grouped matmul implementation {implementation!r} not in {GROUPED_MATMULS}")
+  dtype, f = x_RL.dtype, w_gate_GLF.shape[2]
   gs = group_sizes_G.astype(jnp.int32)
-  rdot = lambda a, w: jax.lax.ragged_dot(a, w.astype(dtype), gs, preferred_element_type=jnp.float32)
-  h_RF = situ_glu(rdot(x_RL, w_gate_GLF), rdot(x_RL, w_up_GLF), b1, b2)
+  impl = None if implementation == "auto" else implementation
+  rdot = lambda a, w: gmm(a, w.astype(dtype), gs, preferred_element_type=jnp.float32, implementation=impl)
+  gate_up_RF2 = rdot(x_RL, jnp.concatenate([w_gate_GLF, w_up_GLF], axis=2))
+  h_RF = situ_glu(gate_up_RF2[:, :f], gate_up_RF2[:, f:], b1, b2)
   return rdot(h_RF.astype(dtype), w_down_GFL)
 
 
@@ -39,10 +49,11 @@ def combine(y_sorted_RL, order_R, p_MK):
   return jnp.einsum("mkl,mk->ml", y_MKL, p_MK.astype(jnp.float32))
 
 
-def dropless_moe(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL, b1: float, b2: float):
+def dropless_moe(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL, b1: float, b2: float,
+                 implementation: str = "auto"):
   """sum_k p_mk E_{idx_mk}(x_m) for every token, with every expert on this device. float32 [M, L]."""
   k = idx_MK.shape[1]
   order_R, sizes_E = sort_by_expert(idx_MK, w_gate_ELF.shape[0])
   x_RL = x_ML[order_R // k]
-  y_RL = grouped_situ_glu(x_RL, sizes_E, w_gate_ELF, w_up_ELF, w_down_EFL, b1, b2)
+  y_RL = grouped_situ_glu(x_RL, sizes_E, w_gate_ELF, w_up_ELF, w_down_EFL, b1, b2, implementation)
   return combine(y_RL, order_R, p_MK)

@@ -4,7 +4,8 @@ Queries and keys/values go through low-rank latents (q_lora, kv_lora), each RMS-
 per-head up-projections. There is no RoPE: position information comes from the KDA layers. An
 elementwise sigmoid gate of the layer input multiplies the attention output before W_o.
 
-Training runs the whole row through `jax.nn.dot_product_attention`. Decoding (`GatedMLA.decode`)
+Training runs the whole row through one fused attention (`model.mla.attention`, see
+`GatedMLA.implementation`). Decoding (`GatedMLA.decode`)
 caches only the normalised kv latent and folds W_uk into the query and W_uv into the output, so the
 cache costs kv_lora numbers per token instead of heads * (qk + v).
 """
@@ -14,10 +15,37 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from moejax.config import MLA_ATTENTIONS
 from moejax.layers.short_conv import check_segment_ids, document_ids
 from moejax.nn import RMSNorm, check_input, kernel_init, logical_param, matmul
 
-ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
+# Up to this length a packed row's document mask goes to cuDNN as a dense [T, T] bias; past it the
+# bias outgrows memory (2 GB per row at 32K) and "auto" switches to the Pallas flash kernel, which
+# compares document ids tile by tile.
+DENSE_DOCUMENT_MASK_MAX_LEN = 16_384
+_FLASH_BLOCK = 128
+
+
+def flash_attention(q_BTHK, k_BTHK, v_BTHK, doc_BT, scale: float, interpret: bool = False):
+  """Causal, per-document attention with jax's Pallas GPU flash kernel (Triton lowering): memory
+  linear in T at any length. Pads T to the kernel's tile; padded positions form their own document."""
+  # Imported here: jax 0.11 marks this module deprecated in favour of tokamax (not a dependency of
+  # ours); it is the pinned jax's own kernel, and only this long-context path needs it.
+  import warnings
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+  B, T = q_BTHK.shape[:2]
+  pad = -T % _FLASH_BLOCK
+  if doc_BT is None:
+    doc_BT = jnp.zeros((B, T), jnp.int32)
+  if pad:
+    pad_T = lambda t: jnp.pad(t, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    q_BTHK, k_BTHK, v_BTHK = pad_T(q_BTHK), pad_T(k_BTHK), pad_T(v_BTHK)
+    doc_BT = jnp.pad(doc_BT, ((0, 0), (0, pad)), constant_values=-1)
+  o_BTHK = pallas_attention.mha(q_BTHK, k_BTHK, v_BTHK, doc_BT.astype(jnp.int32), sm_scale=scale,
+                                causal=True, interpret=interpret)
+  return o_BTHK[:, :T]
 
 
 def init_mla_cache(cfg: ml_collections.FrozenConfigDict, batch: int, max_len: int):
@@ -60,9 +88,7 @@ def max_logits(q_BTHK, k_BTHK, doc_BT, scale: float, chunk: int = 512):
 class GatedMLA(nn.Module):
   """y = W_o( sigmoid(W_g x) * Attention_causal,per-document(q, k, v) ), NoPE.
 
-  `attention_impl` None picks cuDNN on GPU for 16-bit compute and XLA otherwise: in jax 0.11.2
-  `implementation=None` still means XLA (it says so in its source), which would materialise the
-  float32 [B,H,T,T] logits, and cuDNN rejects float32 inputs.
+  `attention_impl` overrides `cfg.mla.attention` when given; see `implementation` for "auto".
   """
 
   cfg: ml_collections.FrozenConfigDict
@@ -72,9 +98,9 @@ class GatedMLA(nn.Module):
     c, a = self.cfg, self.cfg.mla
     D, H, Q, C = c.d_model, a.num_heads, a.q_lora_rank, a.kv_lora_rank
     K, V = a.qk_nope_head_dim, a.v_head_dim
-    if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
+    if self.attention_impl not in (None, *MLA_ATTENTIONS):
       raise ValueError(f"GatedMLA.attention_impl={self.attention_impl!r} not in "
-                       f"{ATTENTION_IMPLEMENTATIONS}")
+                       f"{(None, *MLA_ATTENTIONS)}")
     pdt = jnp.dtype(c.param_dtype)
 
     def param(name, shape, axes, num_in_axes=1):
@@ -109,11 +135,39 @@ class GatedMLA(nn.Module):
     return matmul("bthv,hvd->btd", (gate_BTHV * o_BTHV.astype(jnp.float32)).astype(self.dtype),
                   self.w_o, self.dtype)
 
-  def implementation(self):
-    if self.attention_impl is not None:
-      return self.attention_impl
+  def implementation(self, seq_len: int, packed: bool) -> str:
+    """"auto": on GPU in 16-bit, cuDNN, or the Pallas flash kernel for packed rows longer than
+    DENSE_DOCUMENT_MASK_MAX_LEN; XLA otherwise (jax 0.11.2's own `implementation=None` also means
+    XLA, which materialises the float32 [B,H,T,T] logits; cuDNN rejects float32 inputs)."""
+    choice = self.attention_impl or self.cfg.mla.attention
+    if choice != "auto":
+      return choice
     half = self.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
+    if not half or jax.default_backend() != "gpu":
+      return "xla"
+    return "pallas" if packed and seq_len > DENSE_DOCUMENT_MASK_MAX_LEN else "cudnn"
+
+  def attention(self, q_BTHK, k_BTHK, v_BTHV, doc_BT, scale: float):
+    """Causal attention within documents (doc_BT None: one document per row). [B,T,H,V]."""
+    impl = self.implementation(q_BTHK.shape[1], doc_BT is not None)
+    # The kernels want keys and values of one width; zero columns change neither the logits (q.k)
+    # nor the kept output columns, and the scale is passed explicitly.
+    V, width = v_BTHV.shape[-1], max(q_BTHK.shape[-1], v_BTHV.shape[-1])
+    pad = lambda t: jnp.pad(t, ((0, 0), (0, 0), (0, 0), (0, width - t.shape[-1])))
+    q_BTHW, k_BTHW, v_BTHW = pad(q_BTHK), pad(k_BTHK), pad(v_BTHV)
+    if impl in ("pallas", "interpret"):
+      if impl == "pallas" and jax.default_backend() != "gpu":
+        raise ValueError(f"model.mla.attention='pallas' needs a GPU backend, not "
+                         f"{jax.default_backend()!r}; use 'interpret' on CPU or 'xla'")
+      return flash_attention(q_BTHW, k_BTHW, v_BTHW, doc_BT, scale, interpret=impl == "interpret")[..., :V]
+    # Packed documents go to cuDNN/XLA as a boolean [B,1,T,T] mask next to is_causal=True: it is the
+    # one per-document form both take (query/key_value_seq_lengths describe one padded sequence per
+    # row, and cuDNN's packed-segment offsets are not reachable through this API). cuDNN turns it
+    # into an additive bias and still skips the upper triangle. Every query sees itself, so no row
+    # is fully masked. Checked on the H200 (bf16, T=1024, 3 documents): cuDNN matches XLA.
+    mask_B1TT = None if doc_BT is None else doc_BT[:, None, :, None] == doc_BT[:, None, None, :]
+    return jax.nn.dot_product_attention(q_BTHW, k_BTHW, v_BTHW, mask=mask_B1TT, scale=scale,
+                                        is_causal=True, implementation=impl)[..., :V]
 
   def __call__(self, x_BTD, segment_ids_BT=None):
     check_input(x_BTD, self.cfg.d_model, "GatedMLA")
@@ -124,29 +178,14 @@ class GatedMLA(nn.Module):
     k_BTHK = matmul("btc,chk->bthk", c_BTC, self.w_uk, self.dtype)
     v_BTHV = matmul("btc,chv->bthv", c_BTC, self.w_uv, self.dtype)
 
-    # Packed documents go in as a boolean [B,1,T,T] mask next to is_causal=True. It is the one
-    # per-document form both backends take: query_seq_lengths/key_value_seq_lengths only describe
-    # one padded sequence per row, local_window_size is a fixed width, and cuDNN's packed-segment
-    # offsets are not reachable through jax.nn.dot_product_attention. XLA ANDs the mask with the
-    # causal mask; cuDNN turns it into an additive bias (T^2 per row, fine up to a few 10K tokens)
-    # and still skips the upper triangle. Every query sees itself, so no row is fully masked.
-    # Checked on the H200 (bf16, T=1024, 3 documents): cuDNN matches XLA to bf16 rounding, grads too.
-    mask_B1TT = None
+    K = q_BTHK.shape[-1]
+    doc_BT = None
     if segment_ids_BT is not None:
       check_segment_ids(segment_ids_BT, B, T)
       doc_BT = document_ids(segment_ids_BT)
-      mask_B1TT = doc_BT[:, None, :, None] == doc_BT[:, None, None, :]
-
-    # The API wants keys and values of one shape; zero columns change neither the logits (q.k)
-    # nor the kept output columns, and the scale is passed explicitly.
-    K, V = q_BTHK.shape[-1], v_BTHV.shape[-1]
-    width = max(K, V)
-    pad = lambda t: jnp.pad(t, ((0, 0), (0, 0), (0, 0), (0, width - t.shape[-1])))
-    o_BTHV = jax.nn.dot_product_attention(
-        pad(q_BTHK), pad(k_BTHK), pad(v_BTHV), mask=mask_B1TT, scale=K ** -0.5, is_causal=True,
-        implementation=self.implementation())[..., :V]
+    o_BTHV = self.attention(q_BTHK, k_BTHK, v_BTHV, doc_BT, K ** -0.5)
     if self.is_mutable_collection("attn_stats"):  # asked for by QK-clip only: it costs a QK^T pass
-      doc_BT = jnp.zeros((B, T), jnp.int32) if segment_ids_BT is None else document_ids(segment_ids_BT)
+      doc_BT = jnp.zeros((B, T), jnp.int32) if doc_BT is None else doc_BT
       self.sow("attn_stats", "max_logit", max_logits(q_BTHK, k_BTHK, doc_BT, K ** -0.5))
     return self.gated_output(x_BTD, o_BTHV)
 

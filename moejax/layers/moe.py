@@ -61,13 +61,14 @@ def _routed(w, x_BTD, segment_ids_BT, bias_E, *, cfg, stats_wanted: bool, axes: 
   h_ML = jnp.dot(x_MD, w["w_down"].astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
   experts = [w[name] for name in _EXPERT_WEIGHTS]
   if exchange is None:
-    y_ML = dropless_moe(h_ML, idx_MK, p_MK, *experts, cfg.ffn.situ_b1, cfg.ffn.situ_b2)
+    y_ML = dropless_moe(h_ML, idx_MK, p_MK, *experts, cfg.ffn.situ_b1, cfg.ffn.situ_b2,
+                        e.grouped_matmul)
     stats["dropped"] = jnp.zeros((), jnp.int32)
   else:
     y_ML, dropped = expert_parallel(
         h_ML, idx_MK, p_MK, *experts, exchange=exchange, num_experts=n,
         capacity_factor=e.capacity_factor, b1=cfg.ffn.situ_b1, b2=cfg.ffn.situ_b2,
-        axis_name=meshlib.EXPERT_AXIS)
+        axis_name=meshlib.EXPERT_AXIS, grouped_matmul=e.grouped_matmul)
     stats["dropped"] = reduce(dropped)
   y_ML = rms_norm(y_ML, w["latent_norm"], cfg.norm_eps).astype(dtype)
   y_MD = jnp.dot(y_ML, w["w_up"].astype(dtype), preferred_element_type=jnp.float32)

@@ -41,7 +41,8 @@ def _check(num_experts, parts, w_gate_ELF):
 
 
 def padded_expert_parallel(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL, *, num_experts: int,
-                           capacity_factor: float, b1: float, b2: float, axis_name: str = "expert"):
+                           capacity_factor: float, b1: float, b2: float, axis_name: str = "expert",
+                           grouped_matmul: str = "auto"):
   """Routed-expert mixture [M, L] (float32) and dropped-pair count, via capacity-padded all_to_all."""
   parts = jax.lax.axis_size(axis_name)
   _check(num_experts, parts, w_gate_ELF)
@@ -66,7 +67,8 @@ def padded_expert_parallel(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL,
   # Empty slots carry the id e_loc: they sort last, past the group sizes, where ragged_dot gives 0.
   local_order = jnp.argsort(recv_X, stable=True).astype(jnp.int32)
   local_sizes = jnp.zeros((e_loc + 1,), jnp.int32).at[recv_X].add(1)[:e_loc]
-  y_sorted = grouped_situ_glu(recv_XL[local_order], local_sizes, w_gate_ELF, w_up_ELF, w_down_EFL, b1, b2)
+  y_sorted = grouped_situ_glu(recv_XL[local_order], local_sizes, w_gate_ELF, w_up_ELF, w_down_EFL, b1, b2,
+                              grouped_matmul)
   y_XL = swap(y_sorted[inverse_permutation(local_order)].astype(x_RL.dtype))
   y_RL = jnp.where(keep_R[:, None], y_XL[jnp.minimum(slot_R, parts * cap - 1)], 0)
   return combine(y_RL, order_R, p_MK), jnp.sum(~keep_R).astype(jnp.int32)
@@ -89,7 +91,7 @@ def ragged_layout(counts_SE, parts: int, buffer_rows: int):
 
 def ragged_expert_parallel(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL, *, num_experts: int,
                            capacity_factor: float, b1: float, b2: float, axis_name: str = "expert",
-                           exchange=jax.lax.ragged_all_to_all):
+                           exchange=jax.lax.ragged_all_to_all, grouped_matmul: str = "auto"):
   """Like `padded_expert_parallel`, with ragged all-to-alls (GPU/TPU). `exchange` has the signature
   of jax.lax.ragged_all_to_all (tests substitute an emulation built from all_gather on CPU)."""
   parts = jax.lax.axis_size(axis_name)
@@ -109,7 +111,8 @@ def ragged_expert_parallel(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL,
   recv_XL = exchange(x_RL, jnp.zeros((buffer_rows, x_RL.shape[1]), x_RL.dtype), start_SE[me], send_E,
                      off_DES[:, :, me].reshape(num_experts), sent_DES[me].T.reshape(num_experts),
                      axis_name=axis_name)
-  y_XL = grouped_situ_glu(recv_XL, sent_DES[me].sum(axis=1), w_gate_ELF, w_up_ELF, w_down_EFL, b1, b2)
+  y_XL = grouped_situ_glu(recv_XL, sent_DES[me].sum(axis=1), w_gate_ELF, w_up_ELF, w_down_EFL, b1, b2,
+                          grouped_matmul)
 
   # Back: slice s*e_loc + e returns source s's rows for local expert e to where they came from.
   start_back = jax.lax.dynamic_slice_in_dim(start_SE, me * e_loc, e_loc, axis=1)

@@ -1,0 +1,310 @@
+"""The full jitted training step on one GPU: tokens/s, model FLOPs per token, MFU, peak memory, the
+time of each component, and one step at T=1M with rematerialisation.
+
+  python benchmarks/step.py --config experiments/h200.py --out BENCHMARKS.md
+  python benchmarks/step.py --config experiments/h200.py --only long   # just the 1M-token step
+  python benchmarks/step.py --smoke                                    # tiny shapes, any machine
+
+Batches are synthetic: uniform random tokens packed into documents of random length (mean
+`--mean-doc`), so no data pipeline runs inside the timed loop and the GPU image needs no grain. The
+step is `moejax.train_step.make_train_step`, the one `python -m moejax.train` runs, donating its state.
+
+MFU = tokens/s x model FLOPs per token / the bf16 matmul rate measured in the same call (XLA's
+8192^3 dot). Model FLOPs per token = 3 x forward: 2 per active matmul weight (routed experts at
+top_k/num_experts, the LM head included, the embedding gather not), the chunked KDA form, and causal
+attention over the whole row for MLA (benchmarks/flops.py). Rematerialisation is not counted.
+
+Components are timed alone, forward and backward, on the step's own shapes (one layer each), then
+multiplied by how often the model holds them; "rest" is the step minus their sum (AttnRes, the
+embedding, the balance update, glue). The 1M-token step runs in a child process so its peak memory
+is its own.
+"""
+
+import argparse
+import datetime
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from benchmarks.flops import causal_attention_forward_flops_per_token, kda_forward_flops_per_token  # noqa: E402
+from benchmarks.report import replace_section  # noqa: E402
+from benchmarks.timing import matmul_rate, time_ms  # noqa: E402
+from moejax.config import validate  # noqa: E402
+from moejax.layers.ffn import SiTUGLU  # noqa: E402
+from moejax.layers.kda import KDA  # noqa: E402
+from moejax.layers.mla import GatedMLA  # noqa: E402
+from moejax.layers.moe import MoE  # noqa: E402
+from moejax.loss import cross_entropy  # noqa: E402
+from moejax.model import build_model, layer_kinds  # noqa: E402
+from moejax.train_step import init_state, make_train_step  # noqa: E402
+
+SECTION = "Training step"
+LONG_SEQ = 1 << 20
+
+
+def load_config(path: str, overrides: list[str], smoke: bool = False):
+  """The experiment's get_config(), shrunk by `smoke_config` if asked, then `key=value` overrides
+  (parsed to the field's type), validated."""
+  spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  if smoke:
+    config = smoke_config(config)
+  for item in overrides:
+    key, sep, value = item.partition("=")
+    if not sep:
+      raise ValueError(f"--set wants key=value, got {item!r}")
+    *parents, leaf = key.split(".")
+    node = config
+    for p in parents:
+      node = node[p]
+    old = node[leaf]
+    if isinstance(old, bool):
+      node[leaf] = value.lower() in ("1", "true", "yes")
+    elif isinstance(old, int | float):
+      node[leaf] = type(old)(value)
+    else:
+      node[leaf] = value
+  return validate(config)
+
+
+def smoke_config(config):
+  """Shrinks a config to CPU size, keeping its layer pattern, balance mode and optimiser."""
+  m = config.model
+  config.data.vocab_size = 512
+  m.update(d_model=64, num_layers=4, dtype="float32")
+  m.kda.update(num_heads=2, head_k_dim=32, head_v_dim=32, gate_rank=16, chunk_size=64)
+  m.mla.update(num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32, v_head_dim=32)
+  m.attnres.block_size = 4
+  m.ffn.hidden_dim = 128
+  m.moe.update(num_experts=8, top_k=2, shared_hidden_dim=64, latent_dim=32, expert_hidden_dim=32)
+  config.train.stages = ((256, 10, 512),)
+  return config
+
+
+def synthetic_batch(config, batch: int, seq_len: int, mean_doc: int, seed: int = 0) -> dict:
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, config.model.vocab_size, (batch, seq_len + 1), dtype=np.int32)
+  lengths = rng.geometric(1.0 / max(mean_doc, 1), size=(batch, seq_len))
+  segment_ids = np.zeros((batch, seq_len), np.int32)
+  for b in range(batch):
+    starts = np.minimum(np.cumsum(lengths[b]), seq_len)
+    segment_ids[b] = 1 + np.searchsorted(starts, np.arange(seq_len), side="right")
+  return {"tokens": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:]),
+          "segment_ids": jnp.asarray(segment_ids), "loss_mask": jnp.ones((batch, seq_len), jnp.float32)}
+
+
+def model_flops_per_token(config, params, seq_len: int) -> dict:
+  """Training FLOPs per token by part (3 x forward; see the module docstring)."""
+  m, e = config.model, config.model.moe
+  matmul = 0.0
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    keys = [str(getattr(k, "key", k)) for k in path]
+    if leaf.ndim < 2 or (keys[-1] == "embedding" and not m.tie_embeddings):
+      continue
+    share = e.top_k / e.num_experts if keys[-1].startswith("expert_") else 1.0
+    matmul += 2 * leaf.size * share
+  kinds = [mixer for mixer, _ in layer_kinds(m)]
+  kda = kinds.count("kda") * kda_forward_flops_per_token(m.kda.num_heads, m.kda.head_k_dim,
+                                                          m.kda.head_v_dim, m.kda.chunk_size)
+  mla = kinds.count("mla") * causal_attention_forward_flops_per_token(
+      m.mla.num_heads, m.mla.qk_nope_head_dim, m.mla.v_head_dim, seq_len)
+  parts = {"matmul weights": 3 * matmul, "KDA chunked form": 3 * kda, "MLA attention": 3 * mla}
+  return {**parts, "total": sum(parts.values())}
+
+
+def peak_memory_bytes() -> float | None:
+  stats = jax.local_devices()[0].memory_stats()
+  return None if not stats else float(stats.get("peak_bytes_in_use", float("nan")))
+
+
+def time_steps(config, batch, steps: int) -> dict:
+  """Compiles the train step, runs two warm-up steps, then times `steps` steps back to back."""
+  model = build_model(config)
+  total = sum(s[1] for s in config.train.stages)
+  state, optimizer, _ = init_state(model, config, jax.random.key(0), total)
+  step = jax.jit(make_train_step(model, optimizer, config, total), donate_argnums=0)
+  t0 = time.perf_counter()
+  state, metrics = step(state, batch)
+  jax.block_until_ready(metrics)
+  compile_s = time.perf_counter() - t0
+  state, metrics = step(state, batch)
+  jax.block_until_ready(metrics)
+  t0 = time.perf_counter()
+  for _ in range(steps):
+    state, metrics = step(state, batch)
+  jax.block_until_ready((state, metrics))
+  seconds = (time.perf_counter() - t0) / steps
+  loss = float(metrics["loss"])
+  if not np.isfinite(loss):
+    raise FloatingPointError(f"the benchmarked step produced loss {loss}")
+  return {"step_s": seconds, "compile_s": compile_s, "loss": loss, "params": state.params,
+          "dropped": float(metrics.get("moe/dropped", 0.0)), "model": model, "optimizer": optimizer,
+          "state": state}
+
+
+def component_times(config, batch, state, optimizer) -> list[tuple[str, int, float]]:
+  """(component, count in the model, ms of one forward+backward) for each part timed alone."""
+  m = ml_collections.FrozenConfigDict(config.model)
+  dtype = jnp.dtype(m.dtype)
+  B, T = batch["tokens"].shape
+  x = jax.random.normal(jax.random.key(1), (B, T, m.d_model), dtype)
+  seg = batch["segment_ids"]
+  kinds = layer_kinds(m)
+  rows = []
+
+  def layer(name, module, count, mutable=()):
+    variables = module.init(jax.random.key(2), x, seg)
+    params = variables["params"]
+    rest = {k: v for k, v in variables.items() if k != "params"}
+
+    def loss(p, x):
+      out = module.apply({"params": p, **rest}, x, seg, mutable=list(mutable)) if mutable else \
+          module.apply({"params": p, **rest}, x, seg)
+      y = out[0] if mutable else out
+      return jnp.sum(y.astype(jnp.float32) ** 2) * 1e-6
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    rows.append((name, count, time_ms(fn, params, x)))
+
+  layer("KDA layer", KDA(m), sum(k == "kda" for k, _ in kinds))
+  layer("MLA layer", GatedMLA(m), sum(k == "mla" for k, _ in kinds))
+  if any(f == "moe" for _, f in kinds):
+    layer("MoE layer", MoE(m), sum(f == "moe" for _, f in kinds), mutable=("router",))
+  if any(f == "dense" for _, f in kinds):
+    layer("dense FFN", SiTUGLU(m.ffn.hidden_dim, m.ffn.situ_b1, m.ffn.situ_b2, dtype=dtype,
+                               param_dtype=jnp.dtype(m.param_dtype)), sum(f == "dense" for _, f in kinds))
+
+  head = state.params["embedding"].T if m.tie_embeddings else state.params["head"]
+
+  def head_loss(w, h):
+    return cross_entropy(h, w, batch["targets"], batch["loss_mask"], z_loss_weight=m.loss.z_loss_weight,
+                         chunk=m.loss.chunk_tokens)[0]
+
+  rows.append(("LM head + loss", 1, time_ms(jax.jit(jax.value_and_grad(head_loss, (0, 1))), head, x)))
+  grads = jax.tree.map(jnp.ones_like, state.params)
+  update = jax.jit(lambda g, s, p: optimizer.update(g, s, p))
+  rows.append(("optimizer update", 1, time_ms(update, grads, state.opt_state, state.params)))
+  return rows
+
+
+def run_long(args) -> dict:
+  """One rematerialised step at T=LONG_SEQ (its own process: the peak memory is this step's)."""
+  config = load_config(args.config, args.set, args.smoke)
+  config.model.remat = "full"
+  # QK-clip's max-logit pass is a blockwise O(T^2) loop outside the fused kernel: off here, and said so.
+  config.optim.qk_clip_tau = 0.0
+  config.train.stages = ((args.long_seq, 3, args.long_seq),)
+  validate(config)
+  batch = synthetic_batch(config, 1, args.long_seq, args.mean_doc, seed=1)
+  r = time_steps(config, batch, steps=1)
+  return {"seq_len": args.long_seq, "step_s": r["step_s"], "compile_s": r["compile_s"], "loss": r["loss"],
+          "peak_bytes": peak_memory_bytes(), "mla_attention": GatedMLA(
+              ml_collections.FrozenConfigDict(config.model)).implementation(args.long_seq, True)}
+
+
+def bench_step(args, device) -> list[str]:
+  config = load_config(args.config, args.set, args.smoke)
+  seq_len, _, tokens = config.train.stages[0]
+  batch = synthetic_batch(config, tokens // seq_len, seq_len, args.mean_doc)
+  matmul_n = 512 if args.smoke else 8192
+  peak_rate = matmul_rate(matmul_n)
+  print(f"device {device}; bf16 matmul rate {peak_rate / 1e12:.1f} TFLOP/s", flush=True)
+  r = time_steps(config, batch, args.steps)
+  peak = peak_memory_bytes()
+  mem = "n/a" if peak is None else f"{peak / 2**30:.1f} GiB"
+  flops = model_flops_per_token(config, r["params"], seq_len)
+  tokens_per_s = tokens / r["step_s"]
+  mfu = tokens_per_s * flops["total"] / peak_rate
+  step_ms = r["step_s"] * 1e3
+  print(f"step {step_ms:.1f} ms, {tokens_per_s:,.0f} tokens/s, {flops['total'] / 1e9:.2f} GFLOP/token, "
+        f"MFU {mfu:.1%}, peak memory {mem}, compile {r['compile_s']:.0f} s, dropped {r['dropped']:.0f}",
+        flush=True)
+  lines = [
+      f"`{args.config}` at seq_len {seq_len}, {tokens} tokens per step ({tokens // seq_len} rows) of "
+      f"synthetic packed documents (mean length {args.mean_doc}), {args.steps} timed steps.",
+      "", "| figure | value |", "|---|---|",
+      f"| step time | {step_ms:.1f} ms |", f"| tokens/s | {tokens_per_s:,.0f} |",
+      *(f"| model FLOPs/token: {k} | {v / 1e9:.3f} G |" for k, v in flops.items()),
+      f"| bf16 matmul rate (XLA {matmul_n}^3, same call) | {peak_rate / 1e12:.1f} TFLOP/s |",
+      f"| **MFU** | **{mfu:.1%}** (target 35%) |", f"| peak memory | {mem} |",
+      f"| compile | {r['compile_s']:.0f} s |", f"| dropped tokens | {r['dropped']:.0f} |",
+      "", "Components timed alone (forward + backward, the step's shapes):", "",
+      "| component | count | ms each | ms in all | share of the step |", "|---|---|---|---|---|"]
+  accounted = 0.0
+  for name, count, ms in component_times(config, batch, r["state"], r["optimizer"]):
+    accounted += count * ms
+    lines.append(f"| {name} | {count} | {ms:.2f} | {count * ms:.1f} | {count * ms / step_ms:.0%} |")
+    print(f"  {name:18s} x{count:2d} {ms:8.2f} ms  {count * ms / step_ms:5.0%}", flush=True)
+  rest = step_ms - accounted
+  lines.append(f"| rest (AttnRes, embedding, balance, glue) | | | {rest:.1f} | {rest / step_ms:.0%} |")
+  return lines
+
+
+def bench_long(args) -> list[str]:
+  cmd = [sys.executable, __file__, "--long-child", "--config", args.config, "--long-seq",
+         str(args.long_seq), "--mean-doc", str(args.mean_doc), *(f"--set={s}" for s in args.set)]
+  proc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), capture_output=True, text=True)
+  out = [line for line in proc.stdout.splitlines() if line.startswith("LONG ")]
+  if proc.returncode or not out:
+    tail = (proc.stderr or proc.stdout).strip()[-3000:]
+    print(f"the {args.long_seq}-token step failed (exit {proc.returncode}):\n{tail}", flush=True)
+    last = tail.splitlines()[-1] if tail else ""
+    return ["", f"One step at T={args.long_seq:,} with remat: **failed** (exit {proc.returncode}): `{last}`"]
+  r = json.loads(out[0][len("LONG "):])
+  mem = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f} GiB"
+  text = (f"One step at T={r['seq_len']:,} (one row, remat full, MLA attention `{r['mla_attention']}`, "
+          f"QK-clip off): {r['step_s']:.1f} s, peak memory {mem}, compile {r['compile_s']:.0f} s, "
+          f"loss {r['loss']:.3f}.")
+  print(text, flush=True)
+  return ["", text]
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", default=str(pathlib.Path(__file__).resolve().parent.parent
+                                              / "experiments" / "h200.py"))
+  parser.add_argument("--set", action="append", default=[], help="config override, e.g. model.remat=full")
+  parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--mean-doc", type=int, default=2048, help="mean document length of the batches")
+  parser.add_argument("--long-seq", type=int, default=LONG_SEQ)
+  parser.add_argument("--only", choices=("step", "long"), default=None)
+  parser.add_argument("--long-child", action="store_true", help=argparse.SUPPRESS)
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU); prints, writes no table")
+  parser.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent.parent / "BENCHMARKS.md"))
+  args = parser.parse_args()
+  if args.smoke:
+    args.long_seq, args.steps, args.mean_doc = min(args.long_seq, 1024), min(args.steps, 2), 100
+  if args.long_child:
+    print("LONG " + json.dumps(run_long(args)), flush=True)
+    return
+
+  device = jax.devices()[0].device_kind
+  lines = []
+  if args.only != "long":
+    lines += bench_step(args, device)
+  if args.only != "step":
+    lines += bench_long(args)
+  command = "python benchmarks/step.py " + " ".join(sys.argv[1:])
+  body = "\n".join([f"Command: `{command}`  ", f"Date: {datetime.date.today()}, device: {device}.", "",
+                    *lines])
+  if args.smoke:
+    print(body)
+  else:
+    replace_section(args.out, SECTION, body)
+    print(f"wrote the '{SECTION}' section of {args.out}")
+
+
+if __name__ == "__main__":
+  main()

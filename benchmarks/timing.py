@@ -1,0 +1,47 @@
+"""Timing and ceilings shared by the GPU benchmarks. Imports jax on first use only, so that a
+benchmark's child process for a PyTorch competitor can import its module without claiming the GPU."""
+
+import time
+
+
+def time_ms(fn, *args, calls=None, repeats=None) -> float:
+  """Median over `repeats` of the mean time of `calls` back-to-back calls (one sync per group); by
+  default about 20 ms per group and 0.5 s in all, at least 3 groups. The first call (compilation)
+  is not timed."""
+  import jax
+
+  jax.block_until_ready(fn(*args))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  once = time.perf_counter() - t0
+  calls = calls or max(1, min(20, int(0.02 / max(once, 1e-9))))
+  repeats = repeats or max(3, min(15, int(0.5 / max(once * calls, 1e-9))))
+  samples = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / calls * 1e3)
+  samples.sort()
+  return samples[len(samples) // 2]
+
+
+def matmul_rate(n: int = 8192) -> float:
+  """Measured bf16 n^3 matmul rate of this device, FLOP/s (XLA's own dot)."""
+  import jax
+  import jax.numpy as jnp
+
+  a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+  mm = jax.jit(lambda a: a @ a)
+  return 2 * n**3 / (time_ms(mm, a, calls=5, repeats=7) * 1e-3)
+
+
+def copy_bandwidth(gib: int = 2) -> float:
+  """Measured bytes read + written per second by an elementwise pass over `gib` GiB of float32."""
+  import jax
+  import jax.numpy as jnp
+
+  x = jnp.ones((gib * 256, 1024, 1024), jnp.float32)
+  copy = jax.jit(lambda x: x + 1.0)
+  return 2 * x.nbytes / (time_ms(copy, x, calls=5, repeats=7) * 1e-3)

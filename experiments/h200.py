@@ -1,0 +1,60 @@
+"""The ~1B-total hybrid MoE that one H200 trains: the model of the step benchmark and of 1m.py.
+
+python -m moejax.train --config experiments/h200.py --workdir runs/h200
+python benchmarks/step.py --config experiments/h200.py
+
+1.35B parameters in all, 357M active per token (`python -m moejax.params --config experiments/h200.py`):
+16 layers in the 3:1 KDA:MLA pattern, 64 routed LatentMoE experts (top 8, latent width 512) plus one
+shared expert, quantile balancing, Muon with QK-clip. Trains at 8K context, 32K tokens per step.
+"""
+
+from moejax.config import base_config
+
+
+def get_config():
+  c = base_config()
+  c.data.vocab_size = 32_768
+  c.data.max_bytes = 0  # the whole standard library
+
+  m = c.model
+  m.d_model = 1024
+  m.num_layers = 16
+  m.layer_pattern = "KKKM"
+  m.num_dense_layers = 1
+  m.dtype = "bfloat16"
+  m.remat = "none"
+  m.kda.num_heads = 8
+  m.kda.head_k_dim = 128
+  m.kda.head_v_dim = 128
+  m.kda.gate_rank = 128
+  m.kda.chunk_size = 64
+  m.mla.num_heads = 8
+  m.mla.q_lora_rank = 384
+  m.mla.kv_lora_rank = 256
+  m.mla.qk_nope_head_dim = 128
+  m.mla.v_head_dim = 128
+  m.attnres.block_size = 8  # 4 layers per block: 4 blocks over 16 layers
+  m.ffn.hidden_dim = 4096
+  m.moe.num_experts = 64
+  m.moe.top_k = 8
+  m.moe.num_shared = 1
+  m.moe.shared_hidden_dim = 1024
+  m.moe.latent_dim = 512
+  m.moe.expert_hidden_dim = 768
+  m.moe.routed_scaling = 2.5
+  m.moe.balance = "quantile"
+  m.loss.z_loss_weight = 1e-4
+
+  c.optim.name = "muon"
+  c.optim.lr = 0.02
+  c.optim.adam_lr = 3e-4
+  c.optim.warmup_steps = 200
+  c.optim.qk_clip_tau = 100.0
+
+  t = c.train
+  t.stages = ((8_192, 5_000, 32_768),)
+  t.log_every = 10
+  t.eval_every = 250
+  t.eval_batches = 2
+  t.checkpoint_every = 250
+  return c

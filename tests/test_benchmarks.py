@@ -1,0 +1,56 @@
+"""The step benchmark's own arithmetic: its FLOP count and its synthetic batches (the timing itself
+runs on the GPU, never in a test)."""
+
+import pathlib
+import sys
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from benchmarks import step  # noqa: E402
+from benchmarks.flops import causal_attention_forward_flops_per_token, kda_forward_flops_per_token  # noqa: E402
+from moejax.model import build_model  # noqa: E402
+from moejax.params import count_params  # noqa: E402
+
+H200 = str(pathlib.Path(__file__).resolve().parent.parent / "experiments" / "h200.py")
+
+
+def test_matmul_flops_are_six_per_active_weight():
+  """3 x (2 per active matmul weight): the parameter counter's active total less the embedding table
+  (a gather) and the vectors (norm scales, AttnRes queries), which do no matmul work per token."""
+  config = step.load_config(H200, [], smoke=True)
+  model = build_model(config)
+  abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 16), np.int32)))
+  params = nn.unbox(abstract["params"])
+  vectors = sum(leaf.size for leaf in jax.tree.leaves(params) if leaf.ndim < 2)
+  embedding = params["embedding"].size
+  flops = step.model_flops_per_token(config, params, seq_len=256)
+  assert flops["matmul weights"] == pytest.approx(6 * (count_params(config)["active"] - embedding - vectors))
+  m = config.model
+  assert flops["KDA chunked form"] == pytest.approx(3 * 3 * kda_forward_flops_per_token(
+      m.kda.num_heads, m.kda.head_k_dim, m.kda.head_v_dim, m.kda.chunk_size))  # 3 KDA layers
+  assert flops["MLA attention"] == pytest.approx(3 * causal_attention_forward_flops_per_token(
+      m.mla.num_heads, m.mla.qk_nope_head_dim, m.mla.v_head_dim, 256))
+  assert flops["total"] == pytest.approx(sum(v for k, v in flops.items() if k != "total"))
+
+
+def test_flop_formulas_by_hand():
+  # one head, C=2, K=V=1: per chunk 2*4 + 4*2 + 6*2 + 4 = 32, per token 16
+  assert kda_forward_flops_per_token(1, 1, 1, 2) == 16
+  # T=3: each query sees 2 keys on average; 2 FLOPs per multiply-add over (qk + v) = 2 widths
+  assert causal_attention_forward_flops_per_token(1, 1, 1, 3) == 2 * 2 * 2
+
+
+def test_synthetic_batch_is_packed_documents():
+  config = step.load_config(H200, ["model.moe.top_k=3", "model.remat=full"], smoke=True)
+  assert config.model.moe.top_k == 3 and config.model.remat == "full"  # overrides come after the shrink
+  b = step.synthetic_batch(config, 2, 512, mean_doc=50)
+  seg = np.asarray(b["segment_ids"])
+  assert seg.shape == (2, 512) and seg.min() >= 1 and np.all(np.diff(seg, axis=1) >= 0)
+  assert 3 < len(np.unique(seg[0])) < 60  # about 512 / 50 documents
+  np.testing.assert_array_equal(np.asarray(b["tokens"])[:, 1:], np.asarray(b["targets"])[:, :-1])
+  assert int(np.asarray(b["tokens"]).max()) < config.model.vocab_size
