@@ -1,9 +1,14 @@
-"""The full jitted training step on one GPU: tokens/s, model FLOPs per token, MFU, peak memory, the
-time of each component, and one step at T=1M with rematerialisation.
+"""The full jitted training step: tokens/s, model FLOPs per token, MFU, peak memory, the time of each
+component, and one step at T=1M with rematerialisation.
 
   python benchmarks/step.py --config experiments/h200.py --out BENCHMARKS.md
   python benchmarks/step.py --config experiments/h200.py --only long   # just the 1M-token step
+  python benchmarks/step.py --mesh data=2,expert=4 --only step         # 8 devices, expert-parallel
   python benchmarks/step.py --smoke                                    # tiny shapes, any machine
+
+The step runs on a data x expert mesh (default: `expert` over every device, so one GPU is a mesh
+of one); the state is placed by `moejax.train_step.shard_state` and the MoE layers exchange tokens
+by all-to-all over `expert`.
 
 Batches are synthetic: uniform random tokens packed into documents of random length (mean
 `--mean-doc`), so no data pipeline runs inside the timed loop and the GPU image needs no grain. The
@@ -46,7 +51,8 @@ from moejax.layers.mla import GatedMLA  # noqa: E402
 from moejax.layers.moe import MoE  # noqa: E402
 from moejax.loss import cross_entropy  # noqa: E402
 from moejax.model import build_model, layer_kinds  # noqa: E402
-from moejax.train_step import init_state, make_train_step  # noqa: E402
+from moejax.parallel import mesh as meshlib  # noqa: E402
+from moejax.train_step import init_state, make_train_step, shard_state  # noqa: E402
 
 SECTION = "Training step"
 LONG_SEQ = 1 << 20
@@ -129,12 +135,36 @@ def peak_memory_bytes() -> float | None:
   return None if not stats else float(stats.get("peak_bytes_in_use", float("nan")))
 
 
-def time_steps(config, batch, steps: int) -> dict:
-  """Compiles the train step, runs two warm-up steps, then times `steps` steps back to back."""
+def make_mesh(sizes: dict[str, int]):
+  """A data x fsdp x expert x tensor mesh with Auto axes: XLA propagates the shardings that the
+  params and the batch bring, and the MoE layer shard_maps its experts over `expert`."""
+  return meshlib.make_mesh(**sizes, axis_types=(jax.sharding.AxisType.Auto,) * len(meshlib.MESH_AXES))
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """"data=2,expert=4" -> {"data": 2, "expert": 4}; "" -> one device on every axis."""
+  sizes = {}
+  for part in filter(None, text.split(",")):
+    name, sep, value = part.partition("=")
+    if not sep or name not in meshlib.MESH_AXES:
+      raise ValueError(f"--mesh wants axis=size pairs over {meshlib.MESH_AXES}, got {part!r}")
+    sizes[name] = int(value)
+  return sizes
+
+
+def time_steps(config, batch, steps: int, mesh) -> dict:
+  """Compiles the train step on `mesh`, runs two warm-up steps, then times `steps` steps back to back."""
   model = build_model(config)
   total = sum(s[1] for s in config.train.stages)
-  state, optimizer, _ = init_state(model, config, jax.random.key(0), total)
+  state, optimizer, axes = init_state(model, config, jax.random.key(0), total)
+  state = shard_state(state, axes, optimizer, mesh)
+  batch = jax.device_put(batch, meshlib.batch_sharding(mesh))
   step = jax.jit(make_train_step(model, optimizer, config, total), donate_argnums=0)
+  with jax.set_mesh(mesh):
+    return _time_steps(step, state, batch, steps, optimizer)
+
+
+def _time_steps(step, state, batch, steps, optimizer) -> dict:
   t0 = time.perf_counter()
   state, metrics = step(state, batch)
   jax.block_until_ready(metrics)
@@ -150,8 +180,7 @@ def time_steps(config, batch, steps: int) -> dict:
   if not np.isfinite(loss):
     raise FloatingPointError(f"the benchmarked step produced loss {loss}")
   return {"step_s": seconds, "compile_s": compile_s, "loss": loss, "params": state.params,
-          "dropped": float(metrics.get("moe/dropped", 0.0)), "model": model, "optimizer": optimizer,
-          "state": state}
+          "dropped": float(metrics.get("moe/dropped", 0.0)), "optimizer": optimizer, "state": state}
 
 
 def component_times(config, batch, state, optimizer) -> list[tuple[str, int, float]]:
@@ -208,7 +237,7 @@ def run_long(args) -> dict:
   config.train.stages = ((args.long_seq, 3, args.long_seq),)
   validate(config)
   batch = synthetic_batch(config, 1, args.long_seq, args.mean_doc, seed=1)
-  r = time_steps(config, batch, steps=1)
+  r = time_steps(config, batch, steps=1, mesh=make_mesh({}))
   return {"seq_len": args.long_seq, "step_s": r["step_s"], "compile_s": r["compile_s"], "loss": r["loss"],
           "peak_bytes": peak_memory_bytes(), "mla_attention": GatedMLA(
               ml_collections.FrozenConfigDict(config.model)).implementation(args.long_seq, True)}
@@ -221,24 +250,34 @@ def bench_step(args, device) -> list[str]:
   matmul_n = 512 if args.smoke else 8192
   peak_rate = matmul_rate(matmul_n)
   print(f"device {device}; bf16 matmul rate {peak_rate / 1e12:.1f} TFLOP/s", flush=True)
-  r = time_steps(config, batch, args.steps)
+  sizes = parse_mesh(args.mesh) if args.mesh is not None else {"expert": len(jax.devices())}
+  mesh = make_mesh(sizes)
+  n_dev = mesh.size
+  if (tokens // seq_len) % meshlib.token_shards(mesh):
+    raise ValueError(f"{tokens // seq_len} rows per step do not split over the mesh's "
+                     f"{meshlib.token_shards(mesh)} token shards")
+  r = time_steps(config, batch, args.steps, mesh)
   peak = peak_memory_bytes()
   mem = "n/a" if peak is None else f"{peak / 2**30:.1f} GiB"
   flops = model_flops_per_token(config, r["params"], seq_len)
   tokens_per_s = tokens / r["step_s"]
-  mfu = tokens_per_s * flops["total"] / peak_rate
+  mfu = tokens_per_s * flops["total"] / (peak_rate * n_dev)
   step_ms = r["step_s"] * 1e3
-  print(f"step {step_ms:.1f} ms, {tokens_per_s:,.0f} tokens/s, {flops['total'] / 1e9:.2f} GFLOP/token, "
+  mesh_text = " x ".join(f"{a}={n}" for a, n in dict(mesh.shape).items() if n > 1) or "one device"
+  print(f"mesh {mesh_text}: step {step_ms:.1f} ms, {tokens_per_s:,.0f} tokens/s "
+        f"({tokens_per_s / n_dev:,.0f} per device), {flops['total'] / 1e9:.2f} GFLOP/token, "
         f"MFU {mfu:.1%}, peak memory {mem}, compile {r['compile_s']:.0f} s, dropped {r['dropped']:.0f}",
         flush=True)
   lines = [
       f"`{args.config}` at seq_len {seq_len}, {tokens} tokens per step ({tokens // seq_len} rows) of "
-      f"synthetic packed documents (mean length {args.mean_doc}), {args.steps} timed steps.",
+      f"synthetic packed documents (mean length {args.mean_doc}), {args.steps} timed steps, mesh "
+      f"{mesh_text}. Peak memory is device 0's; components are timed alone on one device.",
       "", "| figure | value |", "|---|---|",
       f"| step time | {step_ms:.1f} ms |", f"| tokens/s | {tokens_per_s:,.0f} |",
+      f"| tokens/s per device | {tokens_per_s / n_dev:,.0f} |",
       *(f"| model FLOPs/token: {k} | {v / 1e9:.3f} G |" for k, v in flops.items()),
       f"| bf16 matmul rate (XLA {matmul_n}^3, same call) | {peak_rate / 1e12:.1f} TFLOP/s |",
-      f"| **MFU** | **{mfu:.1%}** (target 35%) |", f"| peak memory | {mem} |",
+      f"| **MFU** (per device) | **{mfu:.1%}** (target 35%) |", f"| peak memory | {mem} |",
       f"| compile | {r['compile_s']:.0f} s |", f"| dropped tokens | {r['dropped']:.0f} |",
       "", "Components timed alone (forward + backward, the step's shapes):", "",
       "| component | count | ms each | ms in all | share of the step |", "|---|---|---|---|---|"]
@@ -280,6 +319,7 @@ def main():
   parser.add_argument("--mean-doc", type=int, default=2048, help="mean document length of the batches")
   parser.add_argument("--long-seq", type=int, default=LONG_SEQ)
   parser.add_argument("--only", choices=("step", "long"), default=None)
+  parser.add_argument("--mesh", default=None, help="e.g. data=2,expert=4 (default: expert over all devices)")
   parser.add_argument("--long-child", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU); prints, writes no table")
   parser.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent.parent / "BENCHMARKS.md"))

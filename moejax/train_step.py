@@ -18,6 +18,7 @@ from moejax import metrics as metrics_lib
 from moejax.loss import cross_entropy
 from moejax.model import Transformer
 from moejax.optim import dict_to_cfg, learning_rate_schedule, make_optimizer, qk_clip
+from moejax.parallel import mesh as meshlib
 
 
 @flax.struct.dataclass
@@ -56,6 +57,24 @@ def init_state(model: Transformer, config, rng: jax.Array, total_steps: int):
   # the step with different sharding annotations and each compiles it anew.
   state = jax.device_put(state, jax.local_devices()[0])
   return state, optimizer, axes
+
+
+def shard_state(state: TrainState, axes, optimizer, mesh) -> TrainState:
+  """`state` placed on `mesh`: params split by their logical axes (moejax.parallel.mesh rules), the
+  optimizer state as XLA propagates it from them through `optimizer.init` (moments follow their
+  parameter), everything else replicated. Run the step under `jax.set_mesh(mesh)`."""
+  is_axes = lambda x: isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
+  params = jax.tree.map(lambda names, p: meshlib.named_sharding(names, p.shape, mesh), axes, state.params,
+                        is_leaf=is_axes)
+  abstract = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
+                          state.params, params)
+  with jax.set_mesh(mesh):
+    opt_state = jax.jit(optimizer.init).lower(abstract).compile().output_shardings
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  shardings = state.replace(params=params, opt_state=opt_state,
+                            balance=jax.tree.map(lambda _: replicated, state.balance),
+                            step=replicated, rng=replicated, bad_steps=replicated)
+  return jax.device_put(state, shardings)
 
 
 def _sum_leaves(tree, name):

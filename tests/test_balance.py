@@ -154,7 +154,8 @@ def test_balance_metrics():
   state = {"layer_1": {"moe": {"bias": jnp.zeros(4), "load_total": jnp.array([2.0, 2, 2, 6])}},
            "layer_2": {"moe": {"bias": jnp.zeros(4), "load_total": jnp.array([1.0, 1, 1, 1])}}}
   out = metrics.balance_metrics(stats, state, top_k=2)
-  assert all(jnp.ndim(v) == 0 for v in out.values())
+  assert all(jnp.ndim(v) == (1 if k.endswith("/load") else 0) for k, v in out.items())
+  np.testing.assert_allclose(out["moe/layer_1/moe/load"], [2.0, 2 / 3, 2 / 3, 2 / 3])  # over the mean 3
   np.testing.assert_allclose(out["moe/layer_1/moe/maxvio_batch"], 1.0)  # max 6 vs mean 3
   np.testing.assert_allclose(out["moe/layer_1/moe/top_share"], 1.0)  # 6 tokens, all chose expert 0
   np.testing.assert_allclose(out["moe/layer_2/moe/top_share"], 0.5)

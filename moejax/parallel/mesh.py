@@ -91,22 +91,31 @@ def logical_spec(names, rules=LOGICAL_AXIS_RULES) -> P:
   return P(*spec)
 
 
+def named_sharding(names, shape, mesh, rules=LOGICAL_AXIS_RULES) -> NamedSharding:
+  """NamedSharding of an array with logical axis `names`, checking that each split divides."""
+  spec = logical_spec(names, rules)
+  for dim, axes in zip(shape, spec, strict=True):
+    parts = math.prod(axis_size(mesh, a) for a in ((axes,) if isinstance(axes, str) else axes or ()))
+    if dim % parts:
+      raise ValueError(f"param of shape {shape} with logical axes {names}: dimension {dim} "
+                       f"is not divisible by the {parts} shards of mesh axes {axes}")
+  return NamedSharding(mesh, spec)
+
+
 def param_shardings(boxed_params, mesh, rules=LOGICAL_AXIS_RULES):
   """NamedSharding per leaf of a param tree whose leaves are nn.Partitioned (e.g. from eval_shape)."""
 
   def one(leaf):
     if isinstance(leaf, nn.Partitioned):
-      spec = logical_spec(leaf.names, rules)
-      shape = nn.unbox(leaf).shape
-      for dim, axes in zip(shape, spec, strict=True):
-        parts = math.prod(axis_size(mesh, a) for a in ((axes,) if isinstance(axes, str) else axes or ()))
-        if dim % parts:
-          raise ValueError(f"param of shape {shape} with logical axes {leaf.names}: dimension {dim} "
-                           f"is not divisible by the {parts} shards of mesh axes {axes}")
-      return NamedSharding(mesh, spec)
+      return named_sharding(leaf.names, nn.unbox(leaf).shape, mesh, rules)
     return NamedSharding(mesh, P())
 
   return jax.tree.map(one, boxed_params, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+def batch_sharding(mesh) -> NamedSharding:
+  """Rows of a batch split over the token axes (data, fsdp, expert)."""
+  return NamedSharding(mesh, P(token_axes(mesh)))
 
 
 def is_explicit(mesh) -> bool:
