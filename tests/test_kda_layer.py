@@ -10,6 +10,7 @@ import ml_collections
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from references import doc_index
 
 from moejax.config import base_config, validate
 from moejax.layers.kda import KDA, a_log_init, bounded_decay, check_lower_bound
@@ -55,14 +56,6 @@ def random_params(layer, x, seed):
     return jnp.asarray(v, jnp.float32)
 
   return jax.tree_util.tree_map_with_path(draw, shapes)
-
-
-def doc_index(seg):
-  seg = np.asarray(seg)
-  doc = np.zeros(seg.shape, np.int64)
-  for t in range(1, seg.shape[1]):
-    doc[:, t] = doc[:, t - 1] + (seg[:, t] != seg[:, t - 1])
-  return doc
 
 
 def conv_reference(x, w, doc):

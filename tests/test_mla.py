@@ -11,6 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from references import doc_index
 
 from moejax.config import base_config, validate
 from moejax.layers.mla import GatedMLA, init_mla_cache, kernel_init
@@ -47,15 +48,6 @@ def setup_layer(cfg, B=2, T=8, seed=0):
   layer = GatedMLA(cfg)
   x = jnp.asarray(np.random.default_rng(seed).standard_normal((B, T, cfg.d_model)), jnp.float32)
   return layer, random_params(layer, x, seed + 1), x
-
-
-def doc_index(seg):
-  """Reference document index: +1 wherever the id changes (written independently of the layer)."""
-  seg = np.asarray(seg)
-  doc = np.zeros(seg.shape, np.int64)
-  for t in range(1, seg.shape[1]):
-    doc[:, t] = doc[:, t - 1] + (seg[:, t] != seg[:, t - 1])
-  return doc
 
 
 def reference(params, x, seg, cfg, xp=np):
