@@ -122,6 +122,9 @@ def base_config() -> ml_collections.ConfigDict:
   t.maxvio_alert = 1.0  # warn when MaxVio_batch stays above this ...
   t.maxvio_alert_steps = 50  # ... for this many consecutive steps
   t.progress_bar = True
+  # Device mesh of the run (moejax.parallel.mesh): rows split over data x fsdp x expert, routed
+  # experts over expert, params by their logical axes. All ones: one device.
+  t.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": 1, "expert": 1, "tensor": 1})
   return c
 
 
@@ -212,4 +215,16 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(tokens % seq_len == 0,
          f"train.stages[{i}]: tokens_per_batch={tokens} is not a multiple of seq_len={seq_len}")
   need(t.max_bad_steps >= 1, "train.max_bad_steps must be >= 1")
+  need(set(t.mesh) == {"data", "fsdp", "expert", "tensor"},
+       f"train.mesh must have exactly the axes data, fsdp, expert, tensor; got {sorted(t.mesh)}")
+  need(all(isinstance(n, int) and n >= 1 for n in t.mesh.values()),
+       f"train.mesh sizes must be positive integers, got {dict(t.mesh)}")
+  row_shards = t.mesh.data * t.mesh.fsdp * t.mesh.expert
+  for i, (seq_len, _, tokens) in enumerate(t.stages):
+    need((tokens // seq_len) % row_shards == 0,
+         f"train.stages[{i}] has {tokens // seq_len} rows per batch, not divisible by the "
+         f"{row_shards} row shards of train.mesh (data x fsdp x expert)")
+  if m.num_dense_layers < m.num_layers:
+    need(m.moe.num_experts % t.mesh.expert == 0,
+         f"model.moe.num_experts={m.moe.num_experts} is not divisible by train.mesh.expert={t.mesh.expert}")
   return config

@@ -24,7 +24,8 @@ from moejax.data import load_manifest, make_iterator
 from moejax.data.prepare import prepare
 from moejax.model import build_model
 from moejax.monitor import Monitor, to_row
-from moejax.train_step import init_state, make_eval_step, make_train_step
+from moejax.parallel.mesh import MESH_AXES, batch_sharding, make_mesh
+from moejax.train_step import init_state, make_eval_step, make_train_step, shard_state
 
 log = logging.getLogger("moejax.train")
 
@@ -44,11 +45,11 @@ def _batch_iterator(config, stage, split, seed):
   return make_iterator(config.data, split, seq_len, tokens // seq_len, seed)
 
 
-def evaluate(eval_step, state, config, stage) -> dict:
+def evaluate(eval_step, state, config, stage, to_device=lambda batch: batch) -> dict:
   it = iter(_batch_iterator(config, stage, "validation", config.train.seed))
   total, count = 0.0, 0.0
   for _ in range(config.train.eval_batches):
-    m = eval_step(state, next(it))
+    m = eval_step(state, to_device(next(it)))
     total += float(m["nll"]) * float(m["tokens"])
     count += float(m["tokens"])
   return {"val_loss": total / max(count, 1.0)}
@@ -67,7 +68,11 @@ def run(config, workdir: str) -> dict:
   stages = [tuple(s) for s in config.train.stages]
   total_steps = sum(s[1] for s in stages)
 
-  state, optimizer, _ = init_state(model, config, jax.random.key(config.train.seed), total_steps)
+  mesh = make_mesh(**config.train.mesh, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+  state, optimizer, axes = init_state(model, config, jax.random.key(config.train.seed), total_steps)
+  state = shard_state(state, axes, optimizer, mesh)  # a restore comes back in the same placement
+  rows = batch_sharding(mesh)
+  to_device = lambda batch: jax.tree.map(lambda x: jax.make_array_from_process_local_data(rows, x), batch)
   manager = ckpt_lib.Manager(os.path.join(workdir, "checkpoints"), config.train.keep_checkpoints)
   data_it = _iterator_for_step(config, stages, 0)
   restored = manager.restore_latest(state, lambda s: _iterator_for_step(config, stages, s))
@@ -94,7 +99,8 @@ def run(config, workdir: str) -> dict:
     now = time.perf_counter()
     row.update(step=step_done, tokens_per_s=extra.pop("tokens") / (now - clock["last"]), **extra)
     if eval_state is not None:
-      row.update(evaluate(eval_step, eval_state, config, stages[row["stage"]]))
+      with jax.set_mesh(mesh):
+        row.update(evaluate(eval_step, eval_state, config, stages[row["stage"]], to_device))
       now = time.perf_counter()  # evaluation time is not training throughput
     clock["last"] = now
     monitor.record(step_done, row)
@@ -110,7 +116,8 @@ def run(config, workdir: str) -> dict:
   try:
     while step < total_steps:
       batch = next(data_it)
-      state, m = train_step(state, batch)
+      with jax.set_mesh(mesh):
+        state, m = train_step(state, to_device(batch))
       step += 1
       extra = {"stage": stage_idx, "seq_len": stages[stage_idx][0],
                "tokens": float(np.sum(batch["loss_mask"] >= 0))}
