@@ -92,9 +92,10 @@ def run(config, workdir: str) -> dict:
   clock = {"last": time.perf_counter()}
   row = {}
 
-  def finish(pending, eval_state=None) -> dict:
-    """Reads a step's metrics, adds the validation loss of `eval_state` if given, and logs them."""
-    step_done, metrics, extra = pending
+  def finish(done, eval_state=None) -> dict:
+    """Reads the metrics of `done` = (step, metrics on device, extras), adds the validation loss of
+    `eval_state` if given, logs them, and stops the run after too many non-finite steps."""
+    step_done, metrics, extra = done
     row = to_row(jax.device_get(metrics))
     now = time.perf_counter()
     row.update(step=step_done, tokens_per_s=extra.pop("tokens") / (now - clock["last"]), **extra)

@@ -257,6 +257,9 @@ def test_pallas_flash_attention_matches_reference(T):
   loss_ref = lambda p, x: jnp.sum(reference(p, x, seg, cfg, xp=jnp)[0] * r)
   g, g_ref = jax.jit(lambda p, x: (jax.grad(loss, (0, 1))(p, x), jax.grad(loss_ref, (0, 1))(p, x)))(params, x)
   chex.assert_trees_all_close(g, g_ref, rtol=2e-4, atol=2e-5)
+  y_one = jax.jit(lambda p, x: layer.apply({"params": p}, x))(params, x)  # no segments: one document
+  y_one_ref, _ = reference(to64(params), np.asarray(x, np.float64), None, cfg)
+  np.testing.assert_allclose(np.asarray(y_one), y_one_ref, rtol=1e-4, atol=1e-5)
 
 
 def test_attention_choice():

@@ -27,24 +27,24 @@ _FLASH_BLOCK = 128
 
 
 def flash_attention(q_BTHK, k_BTHK, v_BTHK, doc_BT, scale: float, interpret: bool = False):
-  """Causal, per-document attention with jax's Pallas GPU flash kernel (Triton lowering): memory
-  linear in T at any length. Pads T to the kernel's tile; padded positions form their own document."""
+  """Causal, per-document attention (doc_BT None: one document per row) with jax's Pallas GPU flash
+  kernel (Triton lowering): memory linear in T at any length. T is padded to the kernel's tile at
+  the end, where causality keeps the padding out of every real query's keys."""
   # Imported here: jax 0.11 marks this module deprecated in favour of tokamax (not a dependency of
   # ours); it is the pinned jax's own kernel, and only this long-context path needs it.
   import warnings
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
-  B, T = q_BTHK.shape[:2]
+  T = q_BTHK.shape[1]
   pad = -T % _FLASH_BLOCK
-  if doc_BT is None:
-    doc_BT = jnp.zeros((B, T), jnp.int32)
   if pad:
-    pad_T = lambda t: jnp.pad(t, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    pad_T = lambda t: jnp.pad(t, ((0, 0), (0, pad)) + ((0, 0),) * (t.ndim - 2))
     q_BTHK, k_BTHK, v_BTHK = pad_T(q_BTHK), pad_T(k_BTHK), pad_T(v_BTHK)
-    doc_BT = jnp.pad(doc_BT, ((0, 0), (0, pad)), constant_values=-1)
-  o_BTHK = pallas_attention.mha(q_BTHK, k_BTHK, v_BTHK, doc_BT.astype(jnp.int32), sm_scale=scale,
-                                causal=True, interpret=interpret)
+    doc_BT = None if doc_BT is None else pad_T(doc_BT)
+  segment_ids = None if doc_BT is None else doc_BT.astype(jnp.int32)
+  o_BTHK = pallas_attention.mha(q_BTHK, k_BTHK, v_BTHK, segment_ids, sm_scale=scale, causal=True,
+                                interpret=interpret)
   return o_BTHK[:, :T]
 
 
