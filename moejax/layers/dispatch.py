@@ -14,19 +14,22 @@ from pallas_kernels.gmm import gmm
 
 def grouped_situ_glu(x_RL, group_sizes_G, w_gate_GLF, w_up_GLF, w_down_GFL, b1: float, b2: float,
                      implementation: str = "auto"):
-  """Row r, in group g, gets W_d[g] situ_glu(W_g[g] x_r, W_u[g] x_r). Returns float32 [R, L].
+  """Row r, in group g, gets W_d[g] situ_glu(W_g[g] x_r, W_u[g] x_r). Returns [R, L] in x's dtype.
 
   Gate and up run as one grouped matmul over [W_g | W_u]: one pass over the rows instead of two.
+  The matmuls accumulate in float32 and write x's dtype: with bfloat16 compute their float32
+  outputs would be the largest buffers of the layer (k rows per token, 2F wide), and SiTU-GLU and
+  the combine upcast anyway.
   """
   if implementation not in GROUPED_MATMULS:
     raise ValueError(f"grouped matmul implementation {implementation!r} not in {GROUPED_MATMULS}")
   dtype, f = x_RL.dtype, w_gate_GLF.shape[2]
   gs = group_sizes_G.astype(jnp.int32)
   impl = None if implementation == "auto" else implementation
-  rdot = lambda a, w: gmm(a, w.astype(dtype), gs, preferred_element_type=jnp.float32, implementation=impl)
+  rdot = lambda a, w: gmm(a, w.astype(dtype), gs, preferred_element_type=dtype, implementation=impl)
   gate_up_RF2 = rdot(x_RL, jnp.concatenate([w_gate_GLF, w_up_GLF], axis=2))
   h_RF = situ_glu(gate_up_RF2[:, :f], gate_up_RF2[:, f:], b1, b2)
-  return rdot(h_RF.astype(dtype), w_down_GFL)
+  return rdot(h_RF, w_down_GFL)
 
 
 def sort_by_expert(idx_MK, num_experts: int):
