@@ -208,7 +208,9 @@ def component_times(config, batch, state, optimizer) -> list[tuple[str, int, flo
     rows.append((name, count, time_ms(fn, params, x)))
 
   layer("KDA layer", KDA(m), sum(k == "kda" for k, _ in kinds))
-  layer("MLA layer", GatedMLA(m), sum(k == "mla" for k, _ in kinds))
+  # With QK-clip on, the step's MLA layers also run the max-logit pass (the "attn_stats" collection).
+  layer("MLA layer", GatedMLA(m), sum(k == "mla" for k, _ in kinds),
+        mutable=("attn_stats",) if config.optim.qk_clip_tau > 0 else ())
   if any(f == "moe" for _, f in kinds):
     layer("MoE layer", MoE(m), sum(f == "moe" for _, f in kinds), mutable=("router",))
   if any(f == "dense" for _, f in kinds):
