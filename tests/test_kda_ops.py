@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from references import doc_lengths, ids_from_lengths
 
 from pallas_kernels.kda import chunk_kda, recurrent_kda
 
@@ -109,17 +110,12 @@ def test_default_implementation_is_the_chunked_form():
   np.testing.assert_array_equal(o, o_xla)
 
 
-def _ids_from_lengths(lengths):
-  """Alternating ids 7, 3, 7, ...: a document starts where the id changes, not where it is new."""
-  return np.concatenate([np.full(n, (7, 3)[i % 2]) for i, n in enumerate(lengths)])
-
-
 def _check_packed_equals_alone(layouts, C, seed=0):
   """Each row of the batch packs documents of the given lengths; compare against each run alone."""
   T = sum(layouts[0])
   B, H, K, V = len(layouts), 2, 8, 6
   qkvgb, S0 = make_inputs(seed, B, T, H, K, V)
-  seg = jnp.asarray(np.stack([_ids_from_lengths(lengths) for lengths in layouts]), jnp.int32)
+  seg = jnp.asarray(np.stack([ids_from_lengths(lengths) for lengths in layouts]), jnp.int32)
   o_ref, S_ref = np.zeros((B, T, H, V)), np.zeros((B, H, K, V))
   for b, lengths in enumerate(layouts):
     start = 0
@@ -144,24 +140,12 @@ def test_packed_segments_equal_documents_alone(C):
   _check_packed_equals_alone(LAYOUTS, C)
 
 
-def _doc_lengths(draw_lengths, T):
-  lengths, total = [], 0
-  for n in draw_lengths:
-    n = min(n, T - total)
-    if n:
-      lengths.append(n)
-      total += n
-  if total < T:
-    lengths.append(T - total)
-  return lengths
-
-
 @settings(max_examples=6, deadline=None)
 @given(st.lists(st.integers(1, 30), min_size=1, max_size=12), st.lists(st.integers(1, 30), max_size=12),
        st.integers(0, 2**16))
 def test_packed_segments_random_layouts(lengths0, lengths1, seed):
   T = 64
-  _check_packed_equals_alone((_doc_lengths(lengths0, T), _doc_lengths(lengths1, T)), 32, seed)
+  _check_packed_equals_alone((doc_lengths(lengths0, T), doc_lengths(lengths1, T)), 32, seed)
 
 
 def test_no_gradient_crosses_a_document_boundary():

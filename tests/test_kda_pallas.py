@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from references import doc_lengths, ids_from_lengths
 
 from pallas_kernels.kda import chunk_kda
 from pallas_kernels.kda.inputs import resets
@@ -33,11 +34,6 @@ def make_inputs(seed, B, T, H, K, V, dtype=jnp.float32, gate=None):
   cotangents = (jnp.asarray(rng.normal(size=(B, T, H, V)), jnp.float32),
                 jnp.asarray(rng.normal(size=(B, H, K, V)), jnp.float32))
   return tuple(jnp.asarray(x, dtype) for x in (q, k, v, g, beta)), S0, cotangents
-
-
-def ids_from_lengths(lengths):
-  """Alternating ids 7, 3, 7, ...: a document starts where the id changes, not where an id is new."""
-  return np.concatenate([np.full(n, (7, 3)[i % 2]) for i, n in enumerate(lengths)])
 
 
 def run(impl, qkvgb, S0, segment_ids, *, C, scale=None, config=None):
@@ -100,13 +96,7 @@ def test_kernels_match_xla_and_recurrence(name):
 def test_random_document_layouts(lengths, seed):
   """Random packings at one shape (one compile): the row is cut into documents of the drawn lengths."""
   T, C = 70, 32
-  doc, total = [], 0
-  for n in lengths:
-    n = min(n, T - total)
-    if n:
-      doc.append(n)
-      total += n
-  doc += [T - total] if total < T else []
+  doc = doc_lengths(lengths, T)
   qkvgb, S0, cot = make_inputs(seed, 1, T, 1, 16, 16)
   seg = jnp.asarray(ids_from_lengths(doc)[None], jnp.int32)
   got = value_and_vjp(qkvgb, S0, seg, cot, impl="kernel", C=C, config=Config(block=16))
