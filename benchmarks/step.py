@@ -27,7 +27,6 @@ is its own.
 
 import argparse
 import datetime
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -44,7 +43,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from benchmarks.flops import causal_attention_forward_flops_per_token, kda_forward_flops_per_token  # noqa: E402
 from benchmarks.report import replace_section  # noqa: E402
 from benchmarks.timing import matmul_rate, time_ms  # noqa: E402
-from moejax.config import validate  # noqa: E402
+from moejax.config import load_experiment, validate  # noqa: E402
 from moejax.layers.ffn import SiTUGLU  # noqa: E402
 from moejax.layers.kda import KDA  # noqa: E402
 from moejax.layers.mla import GatedMLA  # noqa: E402
@@ -61,10 +60,7 @@ LONG_SEQ = 1 << 20
 def load_config(path: str, overrides: list[str], smoke: bool = False):
   """The experiment's get_config(), shrunk by `smoke_config` if asked, then `key=value` overrides
   (parsed to the field's type), validated."""
-  spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  config = load_experiment(path)
   if smoke:
     config = smoke_config(config)
   for item in overrides:

@@ -10,20 +10,13 @@ flash kernel (`model.mla.attention`). The embedded corpus is short files, so lon
 packed documents: point data.source at long documents for a real long-context run.
 """
 
-import importlib.util
 import pathlib
 
-
-def _h200_config():
-  path = pathlib.Path(__file__).with_name("h200.py")
-  spec = importlib.util.spec_from_file_location("moejax_experiment_h200", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+from moejax.config import load_experiment
 
 
 def get_config():
-  c = _h200_config()
+  c = load_experiment(pathlib.Path(__file__).with_name("h200.py"))
   c.model.remat = "full"
   t = c.train
   t.stages = (

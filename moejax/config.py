@@ -5,6 +5,9 @@ return it from `get_config()`. `validate()` runs before any model is built, so a
 with a message naming the field instead of a shape error deep inside a jitted function.
 """
 
+import importlib.util
+import pathlib
+
 import ml_collections
 
 MIXERS = ("kda", "mla")
@@ -126,6 +129,17 @@ def base_config() -> ml_collections.ConfigDict:
   # experts over expert, params by their logical axes. All ones: one device.
   t.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": 1, "expert": 1, "tensor": 1})
   return c
+
+
+def load_experiment(path) -> ml_collections.ConfigDict:
+  """`get_config()` of an experiment file (experiments/*.py), as config_flags loads it; not validated."""
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f"no experiment config file at {path}")
+  spec = importlib.util.spec_from_file_location(f"moejax_experiment_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
 
 
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

@@ -1,25 +1,17 @@
 """Config validation gives clear errors naming the field; experiment files load."""
 
-import importlib.util
 import pathlib
 
 import pytest
 
-from moejax.config import ConfigError, base_config, validate
+from moejax.config import ConfigError, base_config, load_experiment, validate
 
 EXPERIMENTS = sorted(pathlib.Path(__file__).parent.parent.glob("experiments/*.py"))
 
 
-def _load(path):
-  spec = importlib.util.spec_from_file_location(path.stem, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
-
-
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
 def test_experiment_configs_validate(path):
-  validate(_load(path))
+  validate(load_experiment(path))
 
 
 def _with(**overrides):

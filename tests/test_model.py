@@ -1,6 +1,5 @@
 """The assembled decoder: one trace, causality and document isolation end to end, parameter counts."""
 
-import importlib.util
 import pathlib
 
 import chex
@@ -10,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.config import base_config
+from moejax.config import base_config, load_experiment
 from moejax.model import build_model, layer_kinds
 from moejax.params import count_params
 
@@ -18,10 +17,7 @@ ROOT = pathlib.Path(__file__).parent.parent
 
 
 def _experiment(name):
-  spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  return load_experiment(ROOT / "experiments" / f"{name}.py")
 
 
 def _small_config(**model):
