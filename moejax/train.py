@@ -100,8 +100,7 @@ def run(config, workdir: str) -> dict:
     now = time.perf_counter()
     row.update(step=step_done, tokens_per_s=extra.pop("tokens") / (now - clock["last"]), **extra)
     if eval_state is not None:
-      with jax.set_mesh(mesh):
-        row.update(evaluate(eval_step, eval_state, config, stages[row["stage"]], to_device))
+      row.update(evaluate(eval_step, eval_state, config, stages[row["stage"]], to_device))
       now = time.perf_counter()  # evaluation time is not training throughput
     clock["last"] = now
     monitor.record(step_done, row)
@@ -115,40 +114,40 @@ def run(config, workdir: str) -> dict:
     return row
 
   try:
-    while step < total_steps:
-      batch = next(data_it)
-      with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh):  # the steps, evaluation and saves all run on the run's mesh
+      while step < total_steps:
+        batch = next(data_it)
         state, m = train_step(state, to_device(batch))
-      step += 1
-      extra = {"stage": stage_idx, "seq_len": stages[stage_idx][0],
-               "tokens": float(np.sum(batch["loss_mask"] >= 0))}
+        step += 1
+        extra = {"stage": stage_idx, "seq_len": stages[stage_idx][0],
+                 "tokens": float(np.sum(batch["loss_mask"] >= 0))}
+        if pending is not None:
+          row = finish(pending)
+        pending = None
+        if config.train.eval_every and step % config.train.eval_every == 0:
+          row = finish((step, m, extra), eval_state=state)
+        else:
+          pending = (step, m, extra)
+        # Switch streams before saving: a checkpoint at a stage boundary then holds the new stage's
+        # fresh iterator, which is the one a restart at that step builds and loads it into.
+        new_stage, _ = stage_at(stages, step)
+        if new_stage != stage_idx:
+          # A new context length: same state, new data stream; the step retraces for the new shape.
+          stage_idx = new_stage
+          data_it = _iterator_for_step(config, stages, step)
+          log.info("stage %d: seq_len=%d", stage_idx, stages[stage_idx][0])
+        save_due = save_due or step % config.train.checkpoint_every == 0 or step == total_steps
+        if save_due and pending is not None:
+          row, pending = finish(pending), None  # a checkpoint's step is logged before it is saved
+        # A state that just skipped an update is not saved: the newest checkpoint stays a good one.
+        if save_due and int(state.bad_steps) == 0:
+          manager.save(step, state, data_it)
+          save_due = False
       if pending is not None:
         row = finish(pending)
-      pending = None
-      if config.train.eval_every and step % config.train.eval_every == 0:
-        row = finish((step, m, extra), eval_state=state)
-      else:
-        pending = (step, m, extra)
-      # Switch streams before saving: a checkpoint at a stage boundary then holds the new stage's
-      # fresh iterator, which is the one a restart at that step builds and loads it into.
-      new_stage, _ = stage_at(stages, step)
-      if new_stage != stage_idx:
-        # A new context length: same state, new data stream; the step retraces for the new shape.
-        stage_idx = new_stage
-        data_it = _iterator_for_step(config, stages, step)
-        log.info("stage %d: seq_len=%d", stage_idx, stages[stage_idx][0])
-      save_due = save_due or step % config.train.checkpoint_every == 0 or step == total_steps
-      if save_due and pending is not None:
-        row, pending = finish(pending), None  # a checkpoint's step is logged before it is saved
-      # A state that just skipped an update is not saved: the newest checkpoint stays a good one.
-      if save_due and int(state.bad_steps) == 0:
-        manager.save(step, state, data_it)
-        save_due = False
-    if pending is not None:
-      row = finish(pending)
-    if save_due:
-      log.warning("the run ended on skipped (non-finite) steps, so its final state was not saved; the "
-                  "newest checkpoint is step %s", manager.latest_step())
+      if save_due:
+        log.warning("the run ended on skipped (non-finite) steps, so its final state was not saved; the "
+                    "newest checkpoint is step %s", manager.latest_step())
   finally:
     manager.wait()
     monitor.close()
