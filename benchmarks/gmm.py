@@ -5,8 +5,13 @@
 
 Group sizes are Zipf-skewed (seeded; every 16th group empty) and sum to M. FLOPs: 2*M*K*N forward,
 three times that for forward + both gradients. Each figure is the median over timed batches after a
-warm-up, every batch ending in block_until_ready. Correctness against ragged_dot is checked on the
-device before anything is timed.
+warm-up, every batch ending in block_until_ready.
+
+Every implementation's y, dlhs and drhs are compared with a float32 reference computed group by group
+(one dense matmul per group at HIGHEST precision, from the host's group sizes), which shares no code
+with any of the timed kernels and fits in memory at every shape (jax.lax.ragged_dot itself does not
+at G=256). Our kernel failing the tolerance makes the script exit non-zero; a competitor's error is
+reported, not fatal.
 """
 
 import argparse
@@ -35,7 +40,7 @@ T_TILES = [(64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3), (3
            (64, 128, 256, 8, 3)]
 SMOKE_TILES = [(16, 16, 16, 4, 2), (32, 16, 32, 4, 2)]
 SECTION = "Grouped matmul"
-TOL = 2e-2
+TOL = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float32): 5e-3}  # vs the float32 reference
 
 
 def zipf_group_sizes(g, m, seed=0, exponent=1.0):
@@ -55,6 +60,30 @@ def bench(f, *args):
 def rel_err(a, b):
   a, b = (np.asarray(x, np.float32) for x in (a, b))
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def group_reference(x, w, sizes, dy):
+  """(y, dlhs, drhs) in float32, one HIGHEST-precision matmul per group; rows past sum(sizes) get 0."""
+  hi = jax.lax.Precision.HIGHEST
+  x, w, dy = (a.astype(jnp.float32) for a in (x, w, dy))
+  mm = jax.jit(lambda a, b: jnp.matmul(a, b, precision=hi))
+  ends = np.cumsum(np.asarray(sizes))
+  y, dx, dw = jnp.zeros((x.shape[0], w.shape[2])), jnp.zeros_like(x), []
+  for g, (lo, hi_row) in enumerate(zip(ends - np.asarray(sizes), ends, strict=True)):
+    xs, dys = x[lo:hi_row], dy[lo:hi_row]
+    if hi_row > lo:
+      y, dx = y.at[lo:hi_row].set(mm(xs, w[g])), dx.at[lo:hi_row].set(mm(dys, w[g].T))
+    dw.append(mm(xs.T, dys))
+  return y, dx, jnp.stack(dw)
+
+
+def errors(got, want):
+  """Relative error of y, dlhs and drhs."""
+  return [rel_err(a, b) for a, b in zip(got, want, strict=True)]
+
+
+def fmt_err(errs):
+  return " / ".join(f"{e:.1e}" for e in errs)
 
 
 def fwd_fn(op):
@@ -88,10 +117,9 @@ def make_inputs(g, m, k, n, dtype, seed=0, sizes=None):
   return x, w, gs, dy
 
 
-def check(op, ref, args):
-  """Worst relative error over the output and both gradients, op vs ref."""
-  got, want = fwd_bwd_fn(op)(*args), fwd_bwd_fn(ref)(*args)
-  return max(rel_err(a, b) for a, b in zip(got, want, strict=True))
+def check(op, args, sizes):
+  """Relative errors of y, dlhs, drhs of op vs the float32 group reference."""
+  return errors(fwd_bwd_fn(op)(*args), group_reference(args[0], args[1], sizes, args[3]))
 
 
 def sweep(kernel_of_tile, tiles, args, log):
@@ -144,22 +172,23 @@ def run(args):
   failures = []
 
   # Odd shapes first: masked rows/columns/contraction, empty groups and a zero tail, bf16 and float32.
-  log("== correctness on the device (ours vs jax.lax.ragged_dot, worst rel err of y, dlhs, drhs)")
-  lines += ["Checks on the device, ours vs `jax.lax.ragged_dot` (worst relative error over y, dlhs, drhs):",
+  log("== correctness on the device (ours vs the float32 group reference, rel err of y / dlhs / drhs)")
+  lines += ["Checks on the device, ours vs the float32 group reference (relative error of y / dlhs / drhs):",
             "", "| case | rel err | ok |", "|---|---|---|"]
   odd = [("M=1000 K=320 N=200 G=7, sum<M, empty groups, bf16", (7, 1000, 320, 200), jnp.bfloat16,
           [0, 310, 5, 0, 400, 1, 200]),
          ("M=300 K=96 N=80 G=3, float32", (3, 300, 96, 80), jnp.float32, [100, 0, 150])]
   shapes = SMOKE_SHAPES if smoke else SHAPES
   for name, (g, m, k, n), dt, sizes in odd:
-    err = check(ours(None), xla, make_inputs(g, m, k, n, dt, seed=1, sizes=sizes))
-    ok = err < TOL
+    errs = check(ours(None), make_inputs(g, m, k, n, dt, seed=1, sizes=sizes), sizes)
+    ok = max(errs) < TOL[jnp.dtype(dt)]
     failures += [] if ok else [name]
-    log(f"  {name}: {err:.2e} {'ok' if ok else 'FAIL'}")
-    lines.append(f"| {name} | {err:.2e} | {'yes' if ok else '**NO**'} |")
+    log(f"  {name}: {fmt_err(errs)} {'ok' if ok else 'FAIL'}")
+    lines.append(f"| {name} | {fmt_err(errs)} | {'yes' if ok else '**NO**'} |")
 
-  lines += ["", "Timings; rel err = worst relative error of y, dlhs, drhs vs `jax.lax.ragged_dot` on the "
-            "same inputs.", "", "| G | M | K | N | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms "
+  lines += ["", f"Timings; rel err = relative error of y / dlhs / drhs vs the float32 group reference on the "
+            f"same inputs (bold past {TOL[jnp.dtype(jnp.bfloat16)]:.0e}).", "",
+            "| G | M | K | N | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms "
             "| fwd+bwd TFLOP/s | rel err |", "|---|---|---|---|---|---|---|---|---|---|"]
   ratio_lines, tile_lines = [], []
   for g, m, k, n in shapes:
@@ -175,36 +204,31 @@ def run(args):
       tile_lines.append(f"| {g} | {m} | {k} | {n} | " + " | ".join(
           f"{fmt_tile(t)} ({flops / s / 1e12:.0f})" for t, s in
           zip((tiling.fwd, tiling.dlhs, tiling.drhs), kernel_s, strict=True)) + " |")
-    # ragged_dot first: its outputs are the reference every other row is checked against.
+    want = group_reference(x, w, sizes, dy)
     impls = [("jax.lax.ragged_dot", xla)]
     impls += [("ours (tuned tiles)", ours(tiling))] if not args.no_tune else []
     impls += [("ours (default tiles)", ours(DEFAULT_TILING)), (tk_label, tk_op)]
-    res, want = {}, None
+    res = {}
     for name, op in impls:
       if op is None:
         lines.append(f"| {g} | {m} | {k} | {n} | {name} | - | - | - | - | - |")
         continue
       try:
         fb = fwd_bwd_fn(op)
-        got = jax.block_until_ready(fb(x, w, gs, dy))
-        if want is None and op is xla:
-          want, err = got, 0.0
-        else:
-          err = float("nan") if want is None else max(
-              rel_err(a, b) for a, b in zip(got, want, strict=True))
-        del got
+        errs = errors(jax.block_until_ready(fb(x, w, gs, dy)), want)
         tf, tb = bench(fwd_fn(op), x, w, gs), bench(fb, x, w, gs, dy)
       except Exception as e:  # noqa: BLE001 - reported in the table instead of faked
         log(f"  {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         lines.append(f"| {g} | {m} | {k} | {n} | {name} | failed ({type(e).__name__}) | | | | |")
         continue
-      wrong = want is not None and op is not xla and not err < TOL
-      failures += [f"{name} G={g}"] if wrong else []
+      above = not max(errs) < TOL[jnp.dtype(jnp.bfloat16)]
+      failures += [f"{name} G={g}"] if above and name.startswith("ours") else []
       res[name] = (tf, tb)
+      err_text = f"**{fmt_err(errs)}**" if above else fmt_err(errs)
       row = (f"{tf * 1e3:.3f} | {flops / tf / 1e12:.1f} | {tb * 1e3:.3f} | {3 * flops / tb / 1e12:.1f} | "
-             f"{err:.1e}{' **WRONG**' if wrong else ''}")
+             f"{err_text}")
       log(f"  {name}: fwd {tf * 1e3:.3f} ms ({flops / tf / 1e12:.1f} TFLOP/s), fwd+bwd {tb * 1e3:.3f} ms "
-          f"({3 * flops / tb / 1e12:.1f} TFLOP/s), rel err {err:.1e}")
+          f"({3 * flops / tb / 1e12:.1f} TFLOP/s), rel err {fmt_err(errs)}{' ABOVE TOLERANCE' * above}")
       lines.append(f"| {g} | {m} | {k} | {n} | {name} | {row} |")
     del want
     for mine in [s for s in res if s.startswith("ours")]:

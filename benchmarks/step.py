@@ -28,6 +28,7 @@ is its own.
 import argparse
 import datetime
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -54,7 +55,14 @@ from moejax.parallel import mesh as meshlib  # noqa: E402
 from moejax.train_step import init_state, make_train_step, shard_state  # noqa: E402
 
 SECTION = "Training step"
+LONG_SECTION = "Training step at 1M tokens"
 LONG_SEQ = 1 << 20
+_START = time.perf_counter()
+
+
+def log(msg: str) -> None:
+  """Progress with the seconds since start, so a run cut off by a time limit still says where it was."""
+  print(f"[{time.perf_counter() - _START:6.0f} s] {msg}", flush=True)
 
 
 def load_config(path: str, overrides: list[str], smoke: bool = False):
@@ -154,6 +162,7 @@ def time_steps(config, batch, steps: int, mesh) -> dict:
   total = sum(s[1] for s in config.train.stages)
   state, optimizer, axes = init_state(model, config, jax.random.key(0), total)
   state = shard_state(state, axes, optimizer, mesh)
+  log(f"state initialised; compiling the step on {'x'.join(map(str, batch['tokens'].shape))} tokens")
   batch = jax.device_put(batch, meshlib.batch_sharding(mesh))
   step = jax.jit(make_train_step(model, optimizer, config, total), donate_argnums=0)
   with jax.set_mesh(mesh):
@@ -165,6 +174,7 @@ def _time_steps(step, state, batch, steps, optimizer) -> dict:
   state, metrics = step(state, batch)
   jax.block_until_ready(metrics)
   compile_s = time.perf_counter() - t0
+  log(f"first step (compile included) {compile_s:.0f} s, loss {float(metrics['loss']):.3f}")
   state, metrics = step(state, batch)
   jax.block_until_ready(metrics)
   t0 = time.perf_counter()
@@ -202,6 +212,7 @@ def component_times(config, batch, state, optimizer) -> list[tuple[str, int, flo
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     rows.append((name, count, time_ms(fn, params, x)))
+    log(f"  timed {name}: {rows[-1][2]:.2f} ms")
 
   layer("KDA layer", KDA(m), sum(k == "kda" for k, _ in kinds))
   # With QK-clip on, the step's MLA layers also run the max-logit pass (the "attn_stats" collection).
@@ -241,13 +252,13 @@ def run_long(args) -> dict:
               ml_collections.FrozenConfigDict(config.model)).implementation(args.long_seq, True)}
 
 
-def bench_step(args, device) -> list[str]:
+def bench_step(args, device, write) -> list[str]:
   config = load_config(args.config, args.set, args.smoke)
   seq_len, _, tokens = config.train.stages[0]
   batch = synthetic_batch(config, tokens // seq_len, seq_len, args.mean_doc)
   matmul_n = 512 if args.smoke else 8192
   peak_rate = matmul_rate(matmul_n)
-  print(f"device {device}; bf16 matmul rate {peak_rate / 1e12:.1f} TFLOP/s", flush=True)
+  log(f"device {device}; bf16 matmul rate {peak_rate / 1e12:.1f} TFLOP/s")
   sizes = parse_mesh(args.mesh) if args.mesh is not None else {"expert": len(jax.devices())}
   mesh = make_mesh(sizes)
   n_dev = mesh.size
@@ -262,10 +273,9 @@ def bench_step(args, device) -> list[str]:
   mfu = tokens_per_s * flops["total"] / (peak_rate * n_dev)
   step_ms = r["step_s"] * 1e3
   mesh_text = " x ".join(f"{a}={n}" for a, n in dict(mesh.shape).items() if n > 1) or "one device"
-  print(f"mesh {mesh_text}: step {step_ms:.1f} ms, {tokens_per_s:,.0f} tokens/s "
-        f"({tokens_per_s / n_dev:,.0f} per device), {flops['total'] / 1e9:.2f} GFLOP/token, "
-        f"MFU {mfu:.1%}, peak memory {mem}, compile {r['compile_s']:.0f} s, dropped {r['dropped']:.0f}",
-        flush=True)
+  log(f"mesh {mesh_text}: step {step_ms:.1f} ms, {tokens_per_s:,.0f} tokens/s "
+      f"({tokens_per_s / n_dev:,.0f} per device), {flops['total'] / 1e9:.2f} GFLOP/token, "
+      f"MFU {mfu:.1%}, peak memory {mem}, compile {r['compile_s']:.0f} s, dropped {r['dropped']:.0f}")
   lines = [
       f"`{args.config}` at seq_len {seq_len}, {tokens} tokens per step ({tokens // seq_len} rows) of "
       f"synthetic packed documents (mean length {args.mean_doc}), {args.steps} timed steps, mesh "
@@ -276,14 +286,16 @@ def bench_step(args, device) -> list[str]:
       *(f"| model FLOPs/token: {k} | {v / 1e9:.3f} G |" for k, v in flops.items()),
       f"| bf16 matmul rate (XLA {matmul_n}^3, same call) | {peak_rate / 1e12:.1f} TFLOP/s |",
       f"| **MFU** (per device) | **{mfu:.1%}** (target 35%) |", f"| peak memory | {mem} |",
-      f"| compile | {r['compile_s']:.0f} s |", f"| dropped tokens | {r['dropped']:.0f} |",
+      f"| compile | {r['compile_s']:.0f} s |", f"| dropped tokens | {r['dropped']:.0f} |"]
+  # Written now, so that the step's figures survive a run cut off while it times the components.
+  write(SECTION, lines + ["", "Components: not timed (the run ended before them)."])
+  lines += [
       "", "Components timed alone (forward + backward, the step's shapes):", "",
       "| component | count | ms each | ms in all | share of the step |", "|---|---|---|---|---|"]
   accounted = 0.0
   for name, count, ms in component_times(config, batch, r["state"], r["optimizer"]):
     accounted += count * ms
     lines.append(f"| {name} | {count} | {ms:.2f} | {count * ms:.1f} | {count * ms / step_ms:.0%} |")
-    print(f"  {name:18s} x{count:2d} {ms:8.2f} ms  {count * ms / step_ms:5.0%}", flush=True)
   rest = step_ms - accounted
   lines.append(f"| rest (AttnRes, embedding, balance, glue) | | | {rest:.1f} | {rest / step_ms:.0%} |")
   return lines
@@ -292,20 +304,22 @@ def bench_step(args, device) -> list[str]:
 def bench_long(args) -> list[str]:
   cmd = [sys.executable, __file__, "--long-child", "--config", args.config, "--long-seq",
          str(args.long_seq), "--mean-doc", str(args.mean_doc), *(f"--set={s}" for s in args.set)]
-  proc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), capture_output=True, text=True)
+  # The 1M-token step needs most of the card: let XLA's allocator take more than its default 75%.
+  env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", **os.environ}
+  proc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), capture_output=True, text=True, env=env)
   out = [line for line in proc.stdout.splitlines() if line.startswith("LONG ")]
   if proc.returncode or not out:
     tail = (proc.stderr or proc.stdout).strip()[-3000:]
-    print(f"the {args.long_seq}-token step failed (exit {proc.returncode}):\n{tail}", flush=True)
+    log(f"the {args.long_seq}-token step failed (exit {proc.returncode}):\n{tail}")
     last = tail.splitlines()[-1] if tail else ""
-    return ["", f"One step at T={args.long_seq:,} with remat: **failed** (exit {proc.returncode}): `{last}`"]
+    return [f"One step at T={args.long_seq:,} with remat: **failed** (exit {proc.returncode}): `{last}`"]
   r = json.loads(out[0][len("LONG "):])
   mem = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f} GiB"
   text = (f"One step at T={r['seq_len']:,} (one row, remat full, MLA attention `{r['mla_attention']}`, "
           f"QK-clip off): {r['step_s']:.1f} s, peak memory {mem}, compile {r['compile_s']:.0f} s, "
           f"loss {r['loss']:.3f}.")
-  print(text, flush=True)
-  return ["", text]
+  log(text)
+  return [text]
 
 
 def main():
@@ -329,19 +343,21 @@ def main():
     return
 
   device = jax.devices()[0].device_kind
-  lines = []
-  if args.only != "long":
-    lines += bench_step(args, device)
-  if args.only != "step":
-    lines += bench_long(args)
   command = "python benchmarks/step.py " + " ".join(sys.argv[1:])
-  body = "\n".join([f"Command: `{command}`  ", f"Date: {datetime.date.today()}, device: {device}.", "",
-                    *lines])
-  if args.smoke:
-    print(body)
-  else:
-    replace_section(args.out, SECTION, body)
-    print(f"wrote the '{SECTION}' section of {args.out}")
+
+  def write(title, lines):
+    body = "\n".join([f"Command: `{command}`  ", f"Date: {datetime.date.today()}, device: {device}.", "",
+                      *lines])
+    if args.smoke:
+      print(f"## {title}\n\n{body}")
+    else:
+      replace_section(args.out, title, body)
+      log(f"wrote the '{title}' section of {args.out}")
+
+  if args.only != "long":
+    write(SECTION, bench_step(args, device, write))
+  if args.only != "step":
+    write(LONG_SECTION, bench_long(args))
 
 
 if __name__ == "__main__":

@@ -36,9 +36,13 @@ class Tile:
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-  """Tiles of the forward gmm, of dlhs = gmm(dy, rhs^T) and of drhs = tgmm(lhs, dy)."""
-  fwd: Tile = Tile()
-  dlhs: Tile = Tile()
+  """Tiles of the forward gmm, of dlhs = gmm(dy, rhs^T) and of drhs = tgmm(lhs, dy).
+
+  The defaults are the best of benchmarks/gmm.py's sweep on the H200 (2026-12-02) for forward and
+  dlhs at both of the issue's shapes, and for drhs at G=64 (G=256 preferred 32x128x128, 4 warps).
+  """
+  fwd: Tile = Tile(bm=128, bk=64, bn=256, num_warps=8, num_stages=3)
+  dlhs: Tile = Tile(bm=128, bk=64, bn=256, num_warps=8, num_stages=3)
   drhs: Tile = Tile(bm=64, bk=128, bn=128, num_warps=8, num_stages=3)
 
   def __post_init__(self):
