@@ -242,9 +242,9 @@ def test_bad_inputs_raise():
 
 
 @pytest.mark.parametrize("T", [11, 130])
-def test_pallas_flash_attention_matches_reference(T):
-  """The Pallas flash kernel (interpret mode; `model.mla.attention="pallas"` on GPU) vs the float64
-  reference on packed rows of a length that is not a multiple of its 128-token tile, with gradients."""
+def test_pallas_document_attention_matches_reference(T):
+  """The Pallas document-attention kernels (interpret mode; `model.mla.attention="pallas"` on GPU) vs
+  the float64 reference on packed rows of a length that is not a multiple of its tiles, with gradients."""
   cfg = make_cfg(attention="interpret")
   layer, params, x = setup_layer(cfg, B=2, T=T, seed=3)
   rng = np.random.default_rng(4)

@@ -18,34 +18,12 @@ import ml_collections
 from moejax.config import MLA_ATTENTIONS
 from moejax.layers.short_conv import check_segment_ids, document_ids
 from moejax.nn import RMSNorm, check_input, kernel_init, logical_param, matmul
+from pallas_kernels.attention import document_attention
 
 # Up to this length a packed row's document mask goes to cuDNN as a dense [T, T] bias; past it the
-# bias outgrows memory (2 GB per row at 32K) and "auto" switches to the Pallas flash kernel, which
-# compares document ids tile by tile.
+# bias outgrows memory (2 GB per row at 32K) and "auto" switches to the Pallas document-attention
+# kernel (pallas_kernels.attention), which visits only the tiles inside documents.
 DENSE_DOCUMENT_MASK_MAX_LEN = 16_384
-_FLASH_BLOCK = 128
-
-
-def flash_attention(q_BTHK, k_BTHK, v_BTHK, doc_BT, scale: float, interpret: bool = False):
-  """Causal, per-document attention (doc_BT None: one document per row) with jax's Pallas GPU flash
-  kernel (Triton lowering): memory linear in T at any length. T is padded to the kernel's tile at
-  the end, where causality keeps the padding out of every real query's keys."""
-  # Imported here: jax 0.11 marks this module deprecated in favour of tokamax (not a dependency of
-  # ours); it is the pinned jax's own kernel, and only this long-context path needs it.
-  import warnings
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
-  T = q_BTHK.shape[1]
-  pad = -T % _FLASH_BLOCK
-  if pad:
-    pad_T = lambda t: jnp.pad(t, ((0, 0), (0, pad)) + ((0, 0),) * (t.ndim - 2))
-    q_BTHK, k_BTHK, v_BTHK = pad_T(q_BTHK), pad_T(k_BTHK), pad_T(v_BTHK)
-    doc_BT = None if doc_BT is None else pad_T(doc_BT)
-  segment_ids = None if doc_BT is None else doc_BT.astype(jnp.int32)
-  o_BTHK = pallas_attention.mha(q_BTHK, k_BTHK, v_BTHK, segment_ids, sm_scale=scale, causal=True,
-                                interpret=interpret)
-  return o_BTHK[:, :T]
 
 
 def init_mla_cache(cfg: ml_collections.FrozenConfigDict, batch: int, max_len: int):
@@ -150,16 +128,13 @@ class GatedMLA(nn.Module):
   def attention(self, q_BTHK, k_BTHK, v_BTHV, doc_BT, scale: float):
     """Causal attention within documents (doc_BT None: one document per row). [B,T,H,V]."""
     impl = self.implementation(q_BTHK.shape[1], doc_BT is not None)
-    # The kernels want keys and values of one width; zero columns change neither the logits (q.k)
-    # nor the kept output columns, and the scale is passed explicitly.
+    if impl in ("pallas", "interpret"):
+      return document_attention(q_BTHK, k_BTHK, v_BTHV, doc_BT, scale=scale, implementation=impl)
+    # cuDNN wants keys and values of one width; zero columns change neither the logits (q.k) nor the
+    # kept output columns, and the scale is passed explicitly.
     V, width = v_BTHV.shape[-1], max(q_BTHK.shape[-1], v_BTHV.shape[-1])
     pad = lambda t: jnp.pad(t, ((0, 0), (0, 0), (0, 0), (0, width - t.shape[-1])))
     q_BTHW, k_BTHW, v_BTHW = pad(q_BTHK), pad(k_BTHK), pad(v_BTHV)
-    if impl in ("pallas", "interpret"):
-      if impl == "pallas" and jax.default_backend() != "gpu":
-        raise ValueError(f"model.mla.attention='pallas' needs a GPU backend, not "
-                         f"{jax.default_backend()!r}; use 'interpret' on CPU or 'xla'")
-      return flash_attention(q_BTHW, k_BTHW, v_BTHW, doc_BT, scale, interpret=impl == "interpret")[..., :V]
     # Packed documents go to cuDNN/XLA as a boolean [B,1,T,T] mask next to is_causal=True: it is the
     # one per-document form both take (query/key_value_seq_lengths describe one padded sequence per
     # row, and cuDNN's packed-segment offsets are not reachable through this API). cuDNN turns it

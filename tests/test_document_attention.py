@@ -1,0 +1,164 @@
+"""Causal per-document attention (pallas_kernels.attention): the Pallas kernels in interpret mode vs a
+float64 reference, forward and gradients, on packed rows of random document lengths."""
+
+import chex
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+
+from pallas_kernels.attention import Blocks, document_attention, document_attention_reference
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+# Small, unequal blocks: the forward, dq and dk/dv kernels each see a different tiling of the row.
+SMALL = Blocks(fwd_q=32, fwd_k=16, dq_q=16, dq_k=32, dkv_q=32, dkv_k=16)
+B, T, H, D, V = 2, 83, 2, 16, 8   # T is not a multiple of any block
+SCALE = D ** -0.5
+
+
+def numpy_attention(q, k, v, seg):
+  """Float64, one document at a time: softmax over the document's causal prefix."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  out = np.zeros(q.shape[:3] + (v.shape[-1],))
+  for b in range(q.shape[0]):
+    cuts = [0, *(np.flatnonzero(np.diff(seg[b])) + 1), q.shape[1]]
+    for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+      s = np.einsum("thd,shd->hts", q[b, lo:hi], k[b, lo:hi]) * SCALE
+      s = np.where(np.tril(np.ones((hi - lo, hi - lo), bool)), s, -np.inf)
+      p = np.exp(s - s.max(-1, keepdims=True))
+      out[b, lo:hi] = np.einsum("hts,shv->thv", p / p.sum(-1, keepdims=True), v[b, lo:hi])
+  return out
+
+
+def inputs(seed, shape=(B, T, H, D, V), dtype=jnp.float32):
+  b, t, h, d, v = shape
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q, k = (jax.random.normal(ks[i], (b, t, h, d), jnp.float32).astype(dtype) for i in range(2))
+  return q, k, jax.random.normal(ks[2], (b, t, h, v), jnp.float32).astype(dtype), \
+      jax.random.normal(ks[3], (b, t, h, v), jnp.float32).astype(dtype)
+
+
+def segments_from_lengths(lengths, t):
+  """Segment ids of one row: document i (ids 0, 1, ...) takes lengths[i] positions; the last runs on."""
+  ids = np.repeat(np.arange(len(lengths)), lengths)[:t]
+  return np.concatenate([ids, np.full(t - len(ids), len(lengths), int)]).astype(np.int32)
+
+
+def fwd_and_grads(impl, blocks=SMALL):
+  def f(q, k, v, do, seg):
+    o, vjp = jax.vjp(lambda q, k, v: document_attention(q, k, v, seg, scale=SCALE, implementation=impl,
+                                                        blocks=blocks), q, k, v)
+    return (o, *vjp(do))
+  return f
+
+
+def reference_fwd_and_grads(q, k, v, do, seg):
+  x64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, do)]
+  o, vjp = jax.vjp(lambda q, k, v: document_attention_reference(q, k, v, seg, scale=SCALE), *x64[:3])
+  return (o, *vjp(x64[3]))
+
+
+@pytest.fixture(scope="module")
+def interpret_fg():
+  traces = []
+
+  def f(*args):
+    traces.append(1)
+    return fwd_and_grads("interpret")(*args)
+
+  f = jax.jit(f)
+  # The first run imports JAX's lazily loaded Pallas modules, which changes the trace context once.
+  f(*inputs(0), jnp.zeros((B, T), jnp.int32))
+  traces.clear()
+  return f, traces
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=6), min_size=B, max_size=B))
+@example([[T], [T]])                      # one document per row: the whole causal triangle
+@example([[1] * 10, [16, 16, 32]])         # one-token documents; boundaries on the block grid
+@example([[40, 1, 2], [5, 70]])            # documents crossing several blocks
+def test_matches_float64_reference(interpret_fg, lengths):
+  f, traces = interpret_fg
+  seg = jnp.asarray(np.stack([segments_from_lengths(row, T) for row in lengths]))
+  q, k, v, do = inputs(0)
+  got = f(q, k, v, do, seg)
+  assert len(traces) <= 1, "new document boundaries must not retrace"
+  np.testing.assert_allclose(got[0], numpy_attention(q, k, v, np.asarray(seg)), rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(got, reference_fwd_and_grads(q, k, v, do, seg), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 16, 16), (3, 37, 1, 32, 16), (1, 130, 3, 16, 32)])
+def test_random_shapes_with_default_blocks(shape):
+  """Rows shorter and longer than the default 128-token blocks, K != V, no segments and segments."""
+  q, k, v, do = inputs(1, shape)
+  rng = np.random.default_rng(shape[1])
+  for seg in (None, jnp.asarray(np.sort(rng.integers(0, 4, shape[:2]), axis=1), jnp.int32)):
+    got = jax.jit(fwd_and_grads("interpret", Blocks()))(q, k, v, do, seg)
+    chex.assert_trees_all_close(got, reference_fwd_and_grads(q, k, v, do, seg), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_within_1e2_of_float32():
+  q, k, v, do = inputs(2)
+  seg = jnp.asarray(np.stack([segments_from_lengths([30, 20], T)] * B))
+  got = jax.jit(fwd_and_grads("interpret"))(*(x.astype(jnp.bfloat16) for x in (q, k, v, do)), seg)
+  want = reference_fwd_and_grads(*(x.astype(jnp.bfloat16) for x in (q, k, v, do)), seg)
+  for a, b in zip(got, want, strict=True):
+    a, b = np.asarray(a, np.float64), np.asarray(b)
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2
+
+
+def test_repeated_ids_start_new_documents():
+  """A document is a run: ids [3, 3, 5, 5, 3] are three documents, like document_ids in the model."""
+  q, k, v, do = inputs(3, (1, 5, 1, 16, 16))
+  got = document_attention(q, k, v, jnp.asarray([[3, 3, 5, 5, 3]]), scale=SCALE, implementation="interpret")
+  np.testing.assert_allclose(got, numpy_attention(q, k, v, np.asarray([[0, 0, 1, 1, 2]])), rtol=1e-5)
+  np.testing.assert_allclose(got[0, 4], v[0, 4], rtol=1e-6)  # alone in its document
+
+
+def test_tiles_outside_documents_are_never_read():
+  """NaN in every key and value of the first document: if any kernel visited its tiles for a later
+  document's queries (or keys), the NaN would reach that document's outputs or gradients."""
+  q, k, v, do = inputs(4, (1, 96, 2, 16, 16))
+  seg = jnp.asarray(segments_from_lengths([32], 96))[None]
+  poison = lambda x: x.at[:, :32].set(jnp.nan)
+  got = jax.jit(fwd_and_grads("interpret"))(q, poison(k), poison(v), do.at[:, :32].set(0.0), seg)
+  want = reference_fwd_and_grads(q[:, 32:], k[:, 32:], v[:, 32:], do[:, 32:], seg[:, 32:])
+  chex.assert_trees_all_close(tuple(x[:, 32:] for x in got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_raise():
+  q, k, v, _ = inputs(0)
+  with pytest.raises(ValueError, match="implementation"):
+    document_attention(q, k, v, scale=1.0, implementation="cuda")
+  with pytest.raises(ValueError, match="one shape"):
+    document_attention(q, k[:, :5], v, scale=1.0, implementation="interpret")
+  with pytest.raises(ValueError, match="share a dtype"):
+    document_attention(q, k.astype(jnp.bfloat16), v, scale=1.0, implementation="interpret")
+  with pytest.raises(ValueError, match="integer"):
+    document_attention(q, k, v, jnp.zeros((B, T)), scale=1.0, implementation="interpret")
+  with pytest.raises(ValueError, match="power of two"):
+    Blocks(fwd_q=48)
+  if jax.default_backend() != "gpu":
+    with pytest.raises(ValueError, match="needs a GPU backend"):
+      document_attention(q, k, v, scale=1.0, implementation="pallas")
+
+
+def test_lowers_to_triton_for_h200(monkeypatch):
+  """The GPU path (forward, dq, dk/dv) lowers to Triton for an abstract H200, without a GPU."""
+  from pallas_kernels.attention import ops
+  monkeypatch.setattr(ops.jax, "default_backend", lambda: "gpu")
+  sd = lambda s, d=jnp.bfloat16: jax.ShapeDtypeStruct(s, d)
+
+  def f(q, k, v, seg):
+    o, vjp = jax.vjp(lambda q, k, v: document_attention(q, k, v, seg, scale=SCALE), q, k, v)
+    return o, vjp(o)
+
+  h200 = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
+    text = jax.jit(f).trace(sd((1, 1000, 2, 128)), sd((1, 1000, 2, 128)), sd((1, 1000, 2, 128)),
+                            sd((1, 1000), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 3
