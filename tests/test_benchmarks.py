@@ -1,5 +1,5 @@
-"""The step benchmark's own arithmetic: its FLOP count and its synthetic batches (the timing itself
-runs on the GPU, never in a test)."""
+"""The benchmarks' own arithmetic: the step's FLOP count and synthetic batches, the attention
+benchmark's pair count (the timing itself runs on the GPU, never in a test)."""
 
 import pathlib
 import sys
@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks import step  # noqa: E402
+from benchmarks import attention, step  # noqa: E402
 from benchmarks.flops import causal_attention_forward_flops_per_token, kda_forward_flops_per_token  # noqa: E402
 from moejax.model import build_model  # noqa: E402
 from moejax.params import count_params  # noqa: E402
@@ -54,3 +54,12 @@ def test_synthetic_batch_is_packed_documents():
   assert 3 < len(np.unique(seg[0])) < 60  # about 512 / 50 documents
   np.testing.assert_array_equal(np.asarray(b["tokens"])[:, 1:], np.asarray(b["targets"])[:, :-1])
   assert int(np.asarray(b["tokens"]).max()) < config.model.vocab_size
+
+
+def test_attention_pair_count_and_documents():
+  seg = np.array([[0, 0, 0, 1, 1, 2], [5, 5, 5, 5, 5, 5]])
+  assert attention.pair_count(seg) == (6 + 3 + 1) + 21
+  docs = attention.segments(2, 5000, 100, seed=0)
+  assert (np.diff(docs, axis=1) >= 0).all()
+  lengths = np.diff(np.flatnonzero(np.diff(np.r_[-1, docs[0], -2])))
+  assert lengths.sum() == 5000 and 50 < lengths.mean() < 200
