@@ -164,18 +164,24 @@ def read_fla_outputs(B, T):
           for n in ("o", "dq", "dk", "dv", "dg", "dbeta")]
 
 
-def run_fla(shapes, reps_ms):
-  """{(B, T): fla timings}, from one child process (no JAX in it)."""
+def run_fla(shapes, reps_ms, timeout_s):
+  """{(B, T): fla timings}, from one child process (no JAX in it). A child that outlives timeout_s
+  (its first call autotunes every kernel) is stopped, keeping the shapes it finished."""
   arg = ",".join(f"{B}x{T}" for B, T in shapes)
-  out = subprocess.run([sys.executable, __file__, "--fla-child", arg, "--fla-ms", str(reps_ms)],
-                       capture_output=True, text=True)
+  try:
+    out = subprocess.run([sys.executable, __file__, "--fla-child", arg, "--fla-ms", str(reps_ms)],
+                         capture_output=True, text=True, timeout=timeout_s)
+    stdout, stderr, failed = out.stdout, out.stderr, out.returncode != 0
+  except subprocess.TimeoutExpired as e:
+    text = lambda x: x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+    stdout, stderr, failed = text(e.stdout), f"stopped after {timeout_s} s\n" + text(e.stderr), True
   res = {}
-  for line in out.stdout.splitlines():
+  for line in stdout.splitlines():
     if line.startswith("{"):
       r = json.loads(line)
       res[(r["B"], r["T"])] = r
-  if out.returncode or len(res) < len(shapes):
-    print("fla child failed:", out.stdout[-2000:], out.stderr[-3000:], flush=True)
+  if failed or len(res) < len(shapes):
+    print("fla child failed:", stdout[-2000:], stderr[-3000:], flush=True)
   return res
 
 
@@ -191,7 +197,7 @@ def main_table(args):
     for B, T in SHAPES:
       write_inputs(B, T, make_inputs(B, T))
     t0 = time.perf_counter()
-    fla_all = run_fla(SHAPES, args.fla_ms)
+    fla_all = run_fla(SHAPES, args.fla_ms, args.fla_timeout)
     print(f"fla child: {time.perf_counter() - t0:.0f} s", flush=True)
   for B, T in SHAPES:
     inputs = make_inputs(B, T)
@@ -365,6 +371,7 @@ def main():
   p.add_argument("--no-fla", action="store_true")
   p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU), no fla")
   p.add_argument("--fla-ms", type=int, default=200)
+  p.add_argument("--fla-timeout", type=int, default=420, help="seconds for the fla child (autotuning too)")
   p.add_argument("--impls", default="pallas,xla")
   p.add_argument("--no-ref", action="store_true", help="skip the float32 reference (no errors)")
   p.add_argument("--ref-max-t", type=int, default=1 << 30, help="errors only up to this T")
