@@ -82,7 +82,7 @@ def rel_errs(got, want):
 
 
 def run(args):
-  shapes = [(2, 256), (1, 1000)] if args.smoke else [(4, 8192), (1, 131072), (1, 1 << 20)]
+  shapes = [(2, 256), (1, 1000)] if args.smoke else [tuple(map(int, s.split("x"))) for s in args.shapes]
   mean_doc = 64 if args.smoke else args.mean_doc
   lines = ["| B | T | implementation | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | time / ours "
            "(fwd, f+b) | rel err o / dq / dk / dv |", "|---|---|---|---|---|---|---|---|---|"]
@@ -129,6 +129,7 @@ def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--smoke", action="store_true")
   p.add_argument("--mean-doc", type=int, default=2048)
+  p.add_argument("--shapes", nargs="*", default=["4x8192", "1x131072", "1x1048576"], help="BxT")
   p.add_argument("--others-max-t", type=int, default=131072, help="competitors only up to this T")
   p.add_argument("--out", default=None)
   args = p.parse_args()

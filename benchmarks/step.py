@@ -34,10 +34,14 @@ import subprocess
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import ml_collections
-import numpy as np
+# XLA autotunes each dot fusion over dozens of its own Triton GEMM variants, compiling each; with it on,
+# the H200 step had not finished compiling after 225 s. cuBLAS takes the dense matmuls instead.
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_gpu_enable_triton_gemm=false"])
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
@@ -200,7 +204,7 @@ def component_times(config, batch, state, optimizer) -> list[tuple[str, int, flo
   rows = []
 
   def layer(name, module, count, mutable=()):
-    variables = module.init(jax.random.key(2), x, seg)
+    variables = jax.jit(module.init)(jax.random.key(2), x, seg)
     params = variables["params"]
     rest = {k: v for k, v in variables.items() if k != "params"}
 

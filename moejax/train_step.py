@@ -45,12 +45,14 @@ def init_state(model: Transformer, config, rng: jax.Array, total_steps: int):
   """Returns (state, optimizer, logical_axes); the state lives on the first local device."""
   init_rng, state_rng = jax.random.split(rng)
   state_rng = jax.random.key_data(state_rng)  # raw uint32, which checkpoints as a plain array
-  variables = model.init(init_rng, jnp.zeros((1, 16), jnp.int32))
+  # Jitted: eagerly, every op of the dummy forward pass compiles on its own (minutes on a GPU, where
+  # the kernels compile too); under jit the unused forward is dead code.
+  variables = jax.jit(model.init)(init_rng, jnp.zeros((1, 16), jnp.int32))
   axes = logical_axes(variables["params"])
   params = nn.unbox(variables["params"])
   optimizer = make_optimizer(config.optim, axes, total_steps)
   state = TrainState(
-      step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+      step=jnp.zeros((), jnp.int32), params=params, opt_state=jax.jit(optimizer.init)(params),
       balance=variables.get("balance", {}), rng=state_rng,
       bad_steps=jnp.zeros((), jnp.int32))
   # Committed to the device, as a restored checkpoint is: otherwise a fresh and a resumed run lower
