@@ -34,8 +34,9 @@ import subprocess
 import sys
 import time
 
-# XLA autotunes each dot fusion over dozens of its own Triton GEMM variants, compiling each; with it on,
-# the H200 step had not finished compiling after 225 s. cuBLAS takes the dense matmuls instead.
+# XLA autotunes each dot fusion over dozens of its own Triton GEMM variants, compiling each. With it on,
+# the H200 step had not finished compiling after 225 s (how much of that was this autotuning is not
+# measured); cuBLAS takes the dense matmuls instead.
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_gpu_enable_triton_gemm=false"])
 
 import jax  # noqa: E402
@@ -164,9 +165,11 @@ def time_steps(config, batch, steps: int, mesh) -> dict:
   """Compiles the train step on `mesh`, runs two warm-up steps, then times `steps` steps back to back."""
   model = build_model(config)
   total = sum(s[1] for s in config.train.stages)
+  log("initialising the state")
   state, optimizer, axes = init_state(model, config, jax.random.key(0), total)
+  log("placing it on the mesh")
   state = shard_state(state, axes, optimizer, mesh)
-  log(f"state initialised; compiling the step on {'x'.join(map(str, batch['tokens'].shape))} tokens")
+  log(f"compiling the step on {'x'.join(map(str, batch['tokens'].shape))} tokens")
   batch = jax.device_put(batch, meshlib.batch_sharding(mesh))
   step = jax.jit(make_train_step(model, optimizer, config, total), donate_argnums=0)
   with jax.set_mesh(mesh):
@@ -253,7 +256,7 @@ def run_long(args) -> dict:
   r = time_steps(config, batch, steps=1, mesh=make_mesh({}))
   return {"seq_len": args.long_seq, "step_s": r["step_s"], "compile_s": r["compile_s"], "loss": r["loss"],
           "peak_bytes": peak_memory_bytes(), "mla_attention": GatedMLA(
-              ml_collections.FrozenConfigDict(config.model)).implementation(args.long_seq, True)}
+              ml_collections.FrozenConfigDict(config.model)).implementation(packed=True)}
 
 
 def bench_step(args, device, write) -> list[str]:

@@ -5,9 +5,10 @@ python -m moejax.train --config experiments/1m.py --workdir runs/1m
 The ~1B-total hybrid MoE of experiments/h200.py (3:1 KDA:MLA, 64 routed experts, quantile
 balancing), with every layer rematerialised. The stages keep the batch at 512K tokens until the 1M
 stage, which takes one full-length row. KDA carries position and cost linear in T; the four MLA
-layers are the quadratic part at 1M, and past 16K tokens their packed rows go through the Pallas
-flash kernel (`model.mla.attention`). The embedded corpus is short files, so long stages mostly see
-packed documents: point data.source at long documents for a real long-context run.
+layers are the quadratic part at 1M for long documents; packed rows go through the Pallas
+document-attention kernels (`model.mla.attention`), which skip the tiles between documents. The
+embedded corpus is short files, so long stages mostly see packed documents: point data.source at
+long documents for a real long-context run.
 """
 
 import pathlib

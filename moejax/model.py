@@ -116,6 +116,14 @@ def build_model(config: ml_collections.ConfigDict) -> Transformer:
 
 
 def init_variables(model: Transformer, rng: jax.Array, batch: int = 1, seq_len: int = 16):
-  """Initialises params and the balance collection (router biases)."""
+  """Initialises params and the balance collection (router biases), jitted.
+
+  The dummy forward pass that creates them runs the XLA implementations of every kernel (parameters do
+  not depend on the implementation), so no Pallas kernel is lowered or compiled for it, and nothing
+  but the two collections is returned, so XLA drops the forward pass as dead code.
+  """
+  cfg = model.cfg.as_configdict()
+  cfg.kda.implementation, cfg.mla.attention, cfg.moe.grouped_matmul = "xla", "xla", "xla"
+  plain = model.clone(cfg=ml_collections.FrozenConfigDict(cfg))
   tokens = jnp.zeros((batch, seq_len), jnp.int32)
-  return model.init(rng, tokens)
+  return jax.jit(lambda r: plain.init(r, tokens, mutable=("params", "balance")))(rng)

@@ -16,7 +16,7 @@ import optax
 from moejax import balance as balance_lib
 from moejax import metrics as metrics_lib
 from moejax.loss import cross_entropy
-from moejax.model import Transformer
+from moejax.model import Transformer, init_variables
 from moejax.optim import dict_to_cfg, learning_rate_schedule, make_optimizer, qk_clip
 from moejax.parallel import mesh as meshlib
 
@@ -45,9 +45,7 @@ def init_state(model: Transformer, config, rng: jax.Array, total_steps: int):
   """Returns (state, optimizer, logical_axes); the state lives on the first local device."""
   init_rng, state_rng = jax.random.split(rng)
   state_rng = jax.random.key_data(state_rng)  # raw uint32, which checkpoints as a plain array
-  # Jitted: eagerly, every op of the dummy forward pass compiles on its own (minutes on a GPU, where
-  # the kernels compile too); under jit the unused forward is dead code.
-  variables = jax.jit(model.init)(init_rng, jnp.zeros((1, 16), jnp.int32))
+  variables = init_variables(model, init_rng)
   axes = logical_axes(variables["params"])
   params = nn.unbox(variables["params"])
   optimizer = make_optimizer(config.optim, axes, total_steps)

@@ -20,11 +20,6 @@ from moejax.layers.short_conv import check_segment_ids, document_ids
 from moejax.nn import RMSNorm, check_input, kernel_init, logical_param, matmul
 from pallas_kernels.attention import document_attention
 
-# Up to this length a packed row's document mask goes to cuDNN as a dense [T, T] bias; past it the
-# bias outgrows memory (2 GB per row at 32K) and "auto" switches to the Pallas document-attention
-# kernel (pallas_kernels.attention), which visits only the tiles inside documents.
-DENSE_DOCUMENT_MASK_MAX_LEN = 16_384
-
 
 def init_mla_cache(cfg: ml_collections.FrozenConfigDict, batch: int, max_len: int):
   """Empty decode cache: the normalised kv latent of every position, and the next write index."""
@@ -113,21 +108,25 @@ class GatedMLA(nn.Module):
     return matmul("bthv,hvd->btd", (gate_BTHV * o_BTHV.astype(jnp.float32)).astype(self.dtype),
                   self.w_o, self.dtype)
 
-  def implementation(self, seq_len: int, packed: bool) -> str:
-    """"auto": on GPU in 16-bit, cuDNN, or the Pallas flash kernel for packed rows longer than
-    DENSE_DOCUMENT_MASK_MAX_LEN; XLA otherwise (jax 0.11.2's own `implementation=None` also means
-    XLA, which materialises the float32 [B,H,T,T] logits; cuDNN rejects float32 inputs)."""
+  def implementation(self, packed: bool) -> str:
+    """"auto": on GPU in 16-bit, the Pallas document-attention kernels (pallas_kernels.attention) for
+    packed rows and cuDNN for rows of one document; XLA otherwise (jax 0.11.2's own
+    `implementation=None` also means XLA, which materialises the float32 [B,H,T,T] logits; cuDNN
+    rejects float32 inputs). cuDNN takes documents only as a dense [T, T] mask (2 GB per row at
+    32K) and still visits every causal tile: at B=4 T=8192 with documents of mean length 2048 our
+    kernels ran 2.1x (forward) and 2.9x (forward + backward) faster on the H200 (BENCHMARKS.md,
+    "Document attention")."""
     choice = self.attention_impl or self.cfg.mla.attention
     if choice != "auto":
       return choice
     half = self.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if not half or jax.default_backend() != "gpu":
       return "xla"
-    return "pallas" if packed and seq_len > DENSE_DOCUMENT_MASK_MAX_LEN else "cudnn"
+    return "pallas" if packed else "cudnn"
 
   def attention(self, q_BTHK, k_BTHK, v_BTHV, doc_BT, scale: float):
     """Causal attention within documents (doc_BT None: one document per row). [B,T,H,V]."""
-    impl = self.implementation(q_BTHK.shape[1], doc_BT is not None)
+    impl = self.implementation(doc_BT is not None)
     if impl in ("pallas", "interpret"):
       return document_attention(q_BTHK, k_BTHK, v_BTHV, doc_BT, scale=scale, implementation=impl)
     # cuDNN wants keys and values of one width; zero columns change neither the logits (q.k) nor the
