@@ -34,15 +34,10 @@ import subprocess
 import sys
 import time
 
-# XLA autotunes each dot fusion over dozens of its own Triton GEMM variants, compiling each. With it on,
-# the H200 step had not finished compiling after 225 s (how much of that was this autotuning is not
-# measured); cuBLAS takes the dense matmuls instead.
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_gpu_enable_triton_gemm=false"])
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import ml_collections  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
@@ -343,6 +338,11 @@ def main():
   parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU); prints, writes no table")
   parser.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent.parent / "BENCHMARKS.md"))
   args = parser.parse_args()
+  # Read when the backend starts, below (and by the 1M child, which runs this too). XLA autotunes each
+  # dot fusion over dozens of its own Triton GEMM variants, compiling each. With it on, the H200 step
+  # had not finished compiling after 225 s (how much of that was this autotuning is not measured);
+  # cuBLAS takes the dense matmuls instead.
+  os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_gpu_enable_triton_gemm=false"])
   if args.smoke:
     args.long_seq, args.steps, args.mean_doc = min(args.long_seq, 1024), min(args.steps, 2), 100
   if args.long_child:

@@ -91,9 +91,11 @@ def test_matches_float64_reference(interpret_fg, lengths):
   chex.assert_trees_all_close(got, reference_fwd_and_grads(q, k, v, do, seg), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 1, 16, 16), (3, 37, 1, 32, 16), (1, 130, 3, 16, 32)])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 16, 16), (3, 37, 1, 32, 16), (1, 130, 3, 16, 32),
+                                   (2, 40, 2, 24, 40)])
 def test_random_shapes_with_default_blocks(shape):
-  """Rows shorter and longer than the default 128-token blocks, K != V, no segments and segments."""
+  """Rows shorter and longer than the default 128-token blocks, K != V, widths that are not powers of
+  two (padded inside the op), no segments and segments."""
   q, k, v, do = inputs(1, shape)
   rng = np.random.default_rng(shape[1])
   for seg in (None, jnp.asarray(np.sort(rng.integers(0, 4, shape[:2]), axis=1), jnp.int32)):
@@ -120,14 +122,17 @@ def test_repeated_ids_start_new_documents():
 
 
 def test_tiles_outside_documents_are_never_read():
-  """NaN in every key and value of the first document: if any kernel visited its tiles for a later
-  document's queries (or keys), the NaN would reach that document's outputs or gradients."""
+  """Three documents of 32 tokens; NaN in the keys and values of the first and in every input of the
+  third. A kernel that started before the middle document's span (forward, dq) or ran past its end
+  (dk/dv, whose queries come from later rows) would carry the NaN into the middle one's results:
+  masking zeroes the probabilities, but 0 * NaN is NaN."""
   q, k, v, do = inputs(4, (1, 96, 2, 16, 16))
-  seg = jnp.asarray(segments_from_lengths([32], 96))[None]
-  poison = lambda x: x.at[:, :32].set(jnp.nan)
-  got = jax.jit(fwd_and_grads("interpret"))(q, poison(k), poison(v), do.at[:, :32].set(0.0), seg)
-  want = reference_fwd_and_grads(q[:, 32:], k[:, 32:], v[:, 32:], do[:, 32:], seg[:, 32:])
-  chex.assert_trees_all_close(tuple(x[:, 32:] for x in got), want, rtol=1e-5, atol=1e-5)
+  seg = jnp.asarray(segments_from_lengths([32, 32], 96))[None]
+  first, third = (lambda x: x.at[:, :32].set(jnp.nan)), (lambda x: x.at[:, 64:].set(jnp.nan))
+  got = jax.jit(fwd_and_grads("interpret"))(third(q), third(first(k)), third(first(v)), third(do), seg)
+  mid = lambda x: x[:, 32:64]
+  want = reference_fwd_and_grads(mid(q), mid(k), mid(v), mid(do), mid(seg))
+  chex.assert_trees_all_close(tuple(mid(x) for x in got), want, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_inputs_raise():
@@ -147,8 +152,10 @@ def test_bad_inputs_raise():
       document_attention(q, k, v, scale=1.0, implementation="pallas")
 
 
-def test_lowers_to_triton_for_h200(monkeypatch):
-  """The GPU path (forward, dq, dk/dv) lowers to Triton for an abstract H200, without a GPU."""
+@pytest.mark.parametrize("width", [128, 96])
+def test_lowers_to_triton_for_h200(monkeypatch, width):
+  """The GPU path (forward, dq, dk/dv) lowers to Triton for an abstract H200, without a GPU, also for
+  head widths that are not powers of two."""
   from pallas_kernels.attention import ops
   monkeypatch.setattr(ops.jax, "default_backend", lambda: "gpu")
   sd = lambda s, d=jnp.bfloat16: jax.ShapeDtypeStruct(s, d)
@@ -159,6 +166,7 @@ def test_lowers_to_triton_for_h200(monkeypatch):
 
   h200 = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
-    text = jax.jit(f).trace(sd((1, 1000, 2, 128)), sd((1, 1000, 2, 128)), sd((1, 1000, 2, 128)),
+    shape = (1, 1000, 2, width)
+    text = jax.jit(f).trace(sd(shape), sd(shape), sd(shape),
                             sd((1, 1000), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("xla.gpu.triton") == 3
