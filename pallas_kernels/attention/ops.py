@@ -84,7 +84,7 @@ def document_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: fl
   width = lambda n: max(16, 1 << (n - 1).bit_length())
   to_rows = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, width(x.shape[-1]) - x.shape[-1]))).transpose(
       0, 2, 1, 3).reshape(B * H, T + pad, width(x.shape[-1]))
-  o = _attention(_Static(H, blocks, float(scale), implementation == "interpret"),
+  o = _attention_jit(_Static(H, blocks, float(scale), implementation == "interpret"),
                  to_rows(q_BTHD), to_rows(k_BTHD), to_rows(v_BTHV), doc_BT)
   return o.reshape(B, H, T + pad, -1).transpose(0, 2, 1, 3)[:, :T, :, :v_BTHV.shape[-1]]
 
@@ -135,3 +135,5 @@ def _attention_bwd(st, res, do):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+# One jitted function for every layer of a model: traced, differentiated and lowered once.
+_attention_jit = jax.jit(_attention, static_argnums=0)

@@ -39,7 +39,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, tiling=N
   m, k = lhs_MK.shape
   if implementation == "xla" or 0 in (m, k, rhs_GKN.shape[2]):
     return gmm_xla(lhs_MK, rhs_GKN, group_sizes_G, out_dtype)
-  return _gmm(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32), out_dtype, tiling,
+  return _gmm_jit(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32), out_dtype, tiling,
               implementation == "interpret")
 
 
@@ -102,3 +102,6 @@ def _gmm_bwd(out_dtype, tiling, interpret, res, dy_MN):
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
+# A model calls the op once per MoE layer with the same shapes: as one jitted function, it is traced,
+# differentiated and lowered (Pallas -> Triton) once and reused, instead of once per layer.
+_gmm_jit = jax.jit(_gmm, static_argnums=(3, 4, 5))

@@ -112,6 +112,8 @@ def _kda_bwd(st, res, cts):
 
 
 _kda.defvjp(_kda_fwd, _kda_bwd)
+# One jitted function for every KDA layer of a model: traced, differentiated and lowered once.
+_kda_jit = jax.jit(_kda, static_argnums=0)
 
 
 def _width(n: int) -> int:
@@ -168,6 +170,6 @@ def chunk_kda_pallas(q, k, v, g, beta, scale, initial_state, reset_BT, *, chunk_
   S0 = (jnp.zeros((B, H, Kp, Vp), jnp.float32) if initial_state is None else
         jnp.pad(initial_state.astype(jnp.float32), [(0, 0), (0, 0), (0, Kp - K), (0, Vp - V)]))
 
-  o, S_fin = _kda(st, qp, kp, vp, gp, betap, S0, doc)
+  o, S_fin = _kda_jit(st, qp, kp, vp, gp, betap, S0, doc)
   o = o[:, :T, :, :V]
   return o, (S_fin[:, :, :K, :V] if output_final_state else None)
