@@ -80,12 +80,16 @@ def document_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: fl
   # Padding is one more document at the end of the row: causality already hides it from real
   # queries, and its own id keeps it out of the last document's key and query spans.
   doc_BT = jnp.concatenate([doc_BT, jnp.broadcast_to(doc_BT[:, -1:] + 1, (B, pad))], axis=1)
-  # Triton tiles are powers of two: zero columns change neither q.k nor the kept output columns.
-  width = lambda n: max(16, 1 << (n - 1).bit_length())
-  to_rows = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, width(x.shape[-1]) - x.shape[-1]))).transpose(
-      0, 2, 1, 3).reshape(B * H, T + pad, width(x.shape[-1]))
-  o = _attention_jit(_Static(H, blocks, float(scale), implementation == "interpret"),
-                 to_rows(q_BTHD), to_rows(k_BTHD), to_rows(v_BTHV), doc_BT)
+
+  def to_rows(x_BTHW):
+    """[B*H, T+pad, W'] with W' the next power of two >= 16 (Triton tiles): zero columns change
+    neither q.k nor the output columns that are kept."""
+    width = max(16, 1 << (x_BTHW.shape[-1] - 1).bit_length())
+    x_BTHW = jnp.pad(x_BTHW, ((0, 0), (0, pad), (0, 0), (0, width - x_BTHW.shape[-1])))
+    return x_BTHW.transpose(0, 2, 1, 3).reshape(B * H, T + pad, width)
+
+  st = _Static(H, blocks, float(scale), implementation == "interpret")
+  o = _attention_jit(st, to_rows(q_BTHD), to_rows(k_BTHD), to_rows(v_BTHV), doc_BT)
   return o.reshape(B, H, T + pad, -1).transpose(0, 2, 1, 3)[:, :T, :, :v_BTHV.shape[-1]]
 
 
