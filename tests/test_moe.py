@@ -10,7 +10,7 @@ import pytest
 
 from moejax.config import base_config
 from moejax.layers.moe import MoE
-from moejax.layers.router import segment_index
+from pallas_kernels.segments import document_ids
 
 B, T = 2, 8
 
@@ -161,7 +161,7 @@ def test_sequence_aux_loss():
   model = MoE(cfg)
   x = normal(4, (B, T, cfg.d_model))
   seg = jnp.array([[0, 0, 0, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5]], jnp.int32)
-  np.testing.assert_array_equal(segment_index(seg), [[0, 0, 0, 1, 1, 2, 2, 2], [0] * 8])
+  np.testing.assert_array_equal(document_ids(seg), [[0, 0, 0, 1, 1, 2, 2, 2], [0] * 8])
   params, balance = random_variables(model, x, 5)
   _, stats = jax.jit(model.apply, static_argnames="mutable")(
       {"params": params, "balance": balance}, x, seg, mutable=("router",))

@@ -6,6 +6,8 @@ All functions act on one shard of tokens; under shard_map the caller reduces the
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.segments import document_ids
+
 
 def router_scores(x_MD, w_DE):
   """s = sigmoid(x W_r), in float32 whatever the compute dtype: the top-k is sensitive to rounding."""
@@ -30,14 +32,6 @@ def expert_load(idx_MK, num_experts: int):
   return jnp.bincount(idx_MK.reshape(-1), length=num_experts).astype(jnp.float32)
 
 
-def segment_index(segment_ids_BT):
-  """Per position, the index of its document within the row (0, 1, ...), from id changes."""
-  changed_BT = jnp.concatenate(
-      [jnp.ones_like(segment_ids_BT[:, :1], bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]],
-      axis=1)
-  return jnp.cumsum(changed_BT.astype(jnp.int32), axis=1) - 1
-
-
 def sequence_aux_loss_terms(s_ME, idx_MK, segment_ids_BT, k: int):
   """Sequence-wise balance loss (DeepSeek-V3), summed over documents, and the document count.
 
@@ -48,7 +42,7 @@ def sequence_aux_loss_terms(s_ME, idx_MK, segment_ids_BT, k: int):
   """
   b, t = segment_ids_BT.shape
   m, n = s_ME.shape
-  doc_M = (jnp.arange(b, dtype=jnp.int32)[:, None] * t + segment_index(segment_ids_BT)).reshape(m)
+  doc_M = (jnp.arange(b, dtype=jnp.int32)[:, None] * t + document_ids(segment_ids_BT)).reshape(m)
   chosen_ME = jnp.zeros((m, n), jnp.float32).at[jnp.arange(m)[:, None], idx_MK].set(1.0)
   share_ME = s_ME / jnp.sum(s_ME, axis=1, keepdims=True)
   seg_sum = lambda a: jax.ops.segment_sum(a, doc_M, num_segments=m)

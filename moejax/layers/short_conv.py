@@ -2,6 +2,10 @@
 
 import jax.numpy as jnp
 
+from pallas_kernels.segments import document_ids
+
+__all__ = ["check_segment_ids", "document_ids", "short_conv"]
+
 
 def check_segment_ids(segment_ids_BT, batch: int, length: int):
   """Raises ValueError unless segment ids are an integer [batch, length] array."""
@@ -10,18 +14,6 @@ def check_segment_ids(segment_ids_BT, batch: int, length: int):
     raise ValueError(f"segment_ids must have shape [B,T]=({batch}, {length}), got {shape}")
   if not jnp.issubdtype(segment_ids_BT.dtype, jnp.integer):
     raise ValueError(f"segment_ids must be an integer array, got dtype {segment_ids_BT.dtype}")
-
-
-def document_ids(segment_ids_BT):
-  """Row-local document index: 0 at position 0, +1 wherever the segment id changes.
-
-  A document starts wherever the id changes from the previous position, so ids may repeat
-  (e.g. [3,3,5,5,3]) without two separate documents comparing equal.
-  """
-  changed_BT = jnp.concatenate(
-      [jnp.zeros_like(segment_ids_BT[:, :1], dtype=jnp.int32),
-       (segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]).astype(jnp.int32)], axis=1)
-  return jnp.cumsum(changed_BT, axis=1, dtype=jnp.int32)
 
 
 def _shift_right(x, lag: int, fill):

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention import kernel
-from pallas_kernels.attention.reference import document_attention_reference, runs
+from pallas_kernels.attention.reference import document_attention_reference
+from pallas_kernels.segments import document_ids
 
 IMPLEMENTATIONS = ("pallas", "interpret", "xla")
 
@@ -75,7 +76,7 @@ def document_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: fl
   if not isinstance(blocks, Blocks):
     raise ValueError(f"blocks must be a Blocks, got {blocks!r}")
 
-  doc_BT = jnp.zeros((B, T), jnp.int32) if segment_ids_BT is None else runs(segment_ids_BT)
+  doc_BT = jnp.zeros((B, T), jnp.int32) if segment_ids_BT is None else document_ids(segment_ids_BT)
   pad = -T % blocks.multiple
   # Padding is one more document at the end of the row: causality already hides it from real
   # queries, and its own id keeps it out of the last document's key and query spans.

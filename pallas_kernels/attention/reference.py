@@ -1,22 +1,17 @@
 """Dense reference of causal per-document attention: the [T, T] logits in full, for tests and for short
-rows. Documents are runs of equal consecutive segment ids, as in moejax.layers.short_conv.document_ids."""
+rows. Documents are runs of equal consecutive segment ids (pallas_kernels.segments)."""
 
 import jax
 import jax.numpy as jnp
 
-
-def runs(segment_ids_BT):
-  """Row-local run index: 0 at position 0, +1 wherever the id differs from the previous position."""
-  changed_BT = jnp.concatenate([jnp.zeros_like(segment_ids_BT[:, :1], dtype=jnp.int32),
-                                (segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]).astype(jnp.int32)], 1)
-  return jnp.cumsum(changed_BT, axis=1, dtype=jnp.int32)
+from pallas_kernels.segments import document_ids
 
 
 def document_attention_reference(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: float):
   """softmax(scale q k^T) v over keys j <= i of query i's document, computed in the inputs' precision
   (pass float64 or float32 for a reference)."""
   B, T = q_BTHD.shape[:2]
-  doc_BT = jnp.zeros((B, T), jnp.int32) if segment_ids_BT is None else runs(segment_ids_BT)
+  doc_BT = jnp.zeros((B, T), jnp.int32) if segment_ids_BT is None else document_ids(segment_ids_BT)
   logits_BHTS = jnp.einsum("bthd,bshd->bhts", q_BTHD, k_BTHD,
                            precision=jax.lax.Precision.HIGHEST) * scale
   causal_TS = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]

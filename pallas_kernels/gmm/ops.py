@@ -40,7 +40,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, tiling=N
   if implementation == "xla" or 0 in (m, k, rhs_GKN.shape[2]):
     return gmm_xla(lhs_MK, rhs_GKN, group_sizes_G, out_dtype)
   return _gmm_jit(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32), out_dtype, tiling,
-              implementation == "interpret")
+                  implementation == "interpret")
 
 
 def resolve_implementation(implementation):
