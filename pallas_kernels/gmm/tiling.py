@@ -38,8 +38,9 @@ class Tile:
 class Tiling:
   """Tiles of the forward gmm, of dlhs = gmm(dy, rhs^T) and of drhs = tgmm(lhs, dy).
 
-  The defaults are the best of benchmarks/gmm.py's sweep on the H200 (2026-12-02) for forward and
-  dlhs at both of the issue's shapes, and for drhs at G=64 (G=256 preferred 32x128x128, 4 warps).
+  The forward and dlhs default is the best of benchmarks/gmm.py's sweep on the H200 at G=64 M=65536
+  K=2048 N=1024 (BENCHMARKS.md, "Grouped matmul"). The drhs default was not the best there (32x128x128
+  with 4 warps and 4 stages ran 0.532 ms against 0.596 ms); it stays until a full sweep of both shapes.
   """
   fwd: Tile = Tile(bm=128, bk=64, bn=256, num_warps=8, num_stages=3)
   dlhs: Tile = Tile(bm=128, bk=64, bn=256, num_warps=8, num_stages=3)
