@@ -308,13 +308,22 @@ def bench_long(args) -> list[str]:
          str(args.long_seq), "--mean-doc", str(args.mean_doc), *(f"--set={s}" for s in args.set)]
   # The 1M-token step needs most of the card: let XLA's allocator take more than its default 75%.
   env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", **os.environ}
-  proc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), capture_output=True, text=True, env=env)
-  out = [line for line in proc.stdout.splitlines() if line.startswith("LONG ")]
-  if proc.returncode or not out:
-    tail = (proc.stderr or proc.stdout).strip()[-3000:]
-    log(f"the {args.long_seq}-token step failed (exit {proc.returncode}):\n{tail}")
-    last = tail.splitlines()[-1] if tail else ""
-    return [f"One step at T={args.long_seq:,} with remat: **failed** (exit {proc.returncode}): `{last}`"]
+  # The child's progress is passed through as it comes, so a run cut off by a time limit still shows
+  # how far the 1M-token step got.
+  proc = subprocess.Popen(cmd + (["--smoke"] if args.smoke else []), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=env)
+  out, tail = [], []
+  for line in proc.stdout:
+    if line.startswith("LONG "):
+      out.append(line)
+      continue
+    print(f"  [1M child] {line}", end="", flush=True)
+    tail = (tail + [line.rstrip()])[-40:]
+  returncode = proc.wait()
+  if returncode or not out:
+    last = tail[-1] if tail else ""
+    log(f"the {args.long_seq}-token step failed (exit {returncode})")
+    return [f"One step at T={args.long_seq:,} with remat: **failed** (exit {returncode}): `{last}`"]
   r = json.loads(out[0][len("LONG "):])
   mem = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f} GiB"
   text = (f"One step at T={r['seq_len']:,} (one row, remat full, MLA attention `{r['mla_attention']}`, "

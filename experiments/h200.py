@@ -23,6 +23,7 @@ def get_config():
   m.num_dense_layers = 1
   m.dtype = "bfloat16"
   m.remat = "none"
+  m.scan_layers = True  # layers 4-15: three periods of KKKM (one AttnRes block each) in one scan
   m.kda.num_heads = 8
   m.kda.head_k_dim = 128
   m.kda.head_v_dim = 128

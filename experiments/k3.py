@@ -20,6 +20,7 @@ def get_config():
   m.dtype = "bfloat16"
   m.param_dtype = "float32"
   m.remat = "full"
+  m.scan_layers = True  # six 12-layer periods (one AttnRes block each) in one scan, from layer 12
 
   m.kda.num_heads = 96  # R: 96 heads
   m.kda.head_k_dim = 128  # A: K = V = 128 as in the public KDA models

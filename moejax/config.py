@@ -41,6 +41,9 @@ def base_config() -> ml_collections.ConfigDict:
   m.norm_eps = 1e-6
   m.tie_embeddings = False
   m.remat = "none"  # "none" | "full": rematerialise each layer in the backward pass
+  # Run the repeated layers as one scan (params stacked under "scanned"): compile time stops growing
+  # with depth. See moejax.model.layer_layout for which layers it covers.
+  m.scan_layers = False
 
   k = m.kda = ml_collections.ConfigDict()
   k.num_heads = 4
@@ -158,6 +161,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   need(m.dtype in ("float32", "bfloat16", "float16"), f"model.dtype {m.dtype!r} is not a float dtype")
   need(m.param_dtype in ("float32", "bfloat16"), f"model.param_dtype {m.param_dtype!r} unsupported")
   need(m.remat in ("none", "full"), f"model.remat must be 'none' or 'full', got {m.remat!r}")
+  need(isinstance(m.scan_layers, bool), f"model.scan_layers must be True or False, got {m.scan_layers!r}")
 
   pattern = m.layer_pattern
   need(len(pattern) > 0 and set(pattern) <= {"K", "M"},
@@ -195,6 +199,15 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   r = m.attnres
   need(r.mode in RESIDUAL_MODES, f"model.attnres.mode={r.mode!r} not in {RESIDUAL_MODES}")
   need(r.block_size >= 1, f"model.attnres.block_size={r.block_size} must be >= 1")
+
+  if m.scan_layers:
+    from moejax.model import layer_layout
+
+    layout = layer_layout(m)
+    need(layout.repeats >= 1,
+         f"model.scan_layers: no layers can be scanned: with AttnRes a scanned period is a whole number "
+         f"of blocks (model.attnres.block_size={r.block_size} sublayers) starting on a block boundary "
+         f"after layer 0, and model.num_layers={m.num_layers} leaves no room for one; set scan_layers=False")
 
   f = m.ffn
   need(f.situ_b1 > 0 and f.situ_b2 > 0, "model.ffn.situ_b1 and situ_b2 must be positive")

@@ -1,7 +1,8 @@
 """Optimisers: AdamW, or Muon on weight matrices with AdamW on the rest; warmup + cosine; clipping.
 
 Which parameters Muon orthogonalises is read off their logical axis names (moejax/nn.py), never off
-their paths. A leading "expert" axis is a batch of independent matrices. A kernel that ends in
+their paths. A leading "layers" axis (scanned layers) and an "expert" axis are batches of independent
+matrices. A kernel that ends in
 "embed" projects back to the residual stream, so every axis before it is contracted (W_o
 [heads, kv, embed]); any other kernel contracts its first axis, which must then be an input axis
 (embed, mlp, latent, a LoRA rank). What has no input axis is a bias or per-head vector
@@ -31,9 +32,10 @@ def learning_rate_schedule(cfg_opt, total_steps: int):
 
 def matrix_axes(names: tuple) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
   """(reduction axes, output axes) of a weight matrix, from its logical names; None if not one."""
-  if _ADAM_ONLY_AXES & set(names) or "expert" in names[1:]:
+  lead = 1 if names[:1] == ("layers",) else 0
+  if _ADAM_ONLY_AXES & set(names) or "expert" in names[lead + 1:]:
     return None
-  core = [i for i, n in enumerate(names) if n != "expert"]
+  core = [i for i, n in enumerate(names) if n not in ("expert", "layers")]
   if len(core) < 2:
     return None
   if names[core[-1]] == "embed":
@@ -128,12 +130,16 @@ def qk_clip(params, max_logits, tau: float, alpha: float = 0.5):
   max_logits: {param path prefix of an MLA layer: [heads]} from the "attn_stats" collection sown by
   GatedMLA. The logits are bilinear in W_uq and W_uk, so the product of the two factors brings the
   head's max logit to exactly tau (NoPE: there is no rotary part to leave out).
+  Scanned layers carry a leading layers axis on both: max logits [layers, heads] and weights
+  [layers, lora, heads, head_dim].
   """
   flat = traverse_util.flatten_dict(params)
   for prefix, m_H in max_logits.items():
     factor_H = jnp.minimum(1.0, tau / jnp.maximum(m_H, 1e-6))
     for name, power in (("w_uq", alpha), ("w_uk", 1.0 - alpha)):
       key = (*prefix, name)
-      w = flat[key]  # [lora, heads, head_dim]
-      flat[key] = (w * (factor_H ** power)[None, :, None]).astype(w.dtype)
+      w = flat[key]  # [(layers,) lora, heads, head_dim]
+      if w.shape[:-3] != factor_H.shape[:-1]:
+        raise ValueError(f"max logits {factor_H.shape} do not match {'/'.join(key)} {w.shape}")
+      flat[key] = (w * (factor_H ** power)[..., None, :, None]).astype(w.dtype)
   return traverse_util.unflatten_dict(flat)

@@ -17,12 +17,14 @@ import jax.numpy as jnp
 from absl import app
 from ml_collections import config_flags
 
-from moejax.model import build_model
+from moejax.model import SCANNED, build_model
 
 
 def _component(path: tuple[str, ...]) -> str:
   """Names the part of the model a parameter belongs to, for the table."""
   names = [str(getattr(k, "key", k)) for k in path]
+  if names[0] == SCANNED:
+    names = names[1:]
   if names[0] in ("embedding", "head"):
     return names[0]
   if names[0].startswith("final"):
@@ -56,7 +58,8 @@ def count_params(config) -> dict:
     names = leaf.names if isinstance(leaf, nn.Partitioned) else ()
     shape = nn.unbox(leaf).shape
     size = math.prod(shape)
-    routed = bool(names) and names[0] == "expert" and shape[0] == moe.num_experts
+    lead = 1 if names[:1] == ("layers",) else 0
+    routed = len(names) > lead and names[lead] == "expert" and shape[lead] == moe.num_experts
     active = round(size * active_fraction) if routed else size
     entry = components.setdefault(_component(path), [0, 0])
     entry[0] += size

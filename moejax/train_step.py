@@ -16,7 +16,7 @@ import optax
 from moejax import balance as balance_lib
 from moejax import metrics as metrics_lib
 from moejax.loss import cross_entropy
-from moejax.model import Transformer, init_variables
+from moejax.model import Transformer, init_variables, per_layer
 from moejax.optim import dict_to_cfg, learning_rate_schedule, make_optimizer, qk_clip
 from moejax.parallel import mesh as meshlib
 
@@ -84,13 +84,14 @@ def _sum_leaves(tree, name):
 
 
 def _mla_max_logits(attn_stats):
-  """{param path prefix of an MLA layer: [heads] max logit} from the sown "attn_stats" collection."""
-  out = {}
+  """{param path prefix of an MLA layer: [heads] max logit ([layers, heads] for scanned layers)} from
+  the sown "attn_stats" collection (a tuple of one entry per call of the layer)."""
+  sown = {}
   for path, v in jax.tree_util.tree_flatten_with_path(attn_stats)[0]:
     keys = tuple(getattr(k, "key", k) for k in path)
     if "max_logit" in keys:
-      out[keys[:keys.index("max_logit")]] = jnp.max(jnp.reshape(v, (-1, v.shape[-1])), axis=0)
-  return out
+      sown.setdefault(keys[:keys.index("max_logit")], []).append(v)
+  return {prefix: jnp.max(jnp.stack(vs), axis=0) for prefix, vs in sown.items()}
 
 
 def applied_updates(opt_state) -> jax.Array:
@@ -145,7 +146,8 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
       lrs["adam_lr"] = adam_schedule(count)
     metrics = {**metrics, **lrs, "loss": loss, "grad_norm": grad_norm, "finite": finite,
                "bad_steps": next_state.bad_steps,
-               **metrics_lib.balance_metrics(router_stats, new_balance, cfg.moe.top_k)}
+               **metrics_lib.balance_metrics(per_layer(router_stats, cfg), per_layer(new_balance, cfg),
+                                             cfg.moe.top_k)}
     return next_state, metrics
 
   return train_step

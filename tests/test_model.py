@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from moejax.config import base_config, load_experiment
-from moejax.model import build_model, layer_kinds
+from moejax.model import build_model, init_variables, layer_kinds
 from moejax.params import count_params
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -51,6 +51,19 @@ def test_layer_kinds_follow_pattern_and_dense_prefix():
   c = _small_config(num_layers=8, layer_pattern="KKKM", num_dense_layers=2)
   assert layer_kinds(c.model) == [("kda", "dense"), ("kda", "dense"), ("kda", "moe"), ("mla", "moe"),
                                   ("kda", "moe"), ("kda", "moe"), ("kda", "moe"), ("mla", "moe")]
+
+
+def test_init_variables_leaves_the_config_alone():
+  """init_variables runs the XLA kernels on a copy: the caller's config (and everything later built
+  from it, like the step benchmark's per-component timings) keeps its kernel choices."""
+  config = _small_config()
+  config.model.kda.implementation, config.model.mla.attention = "interpret", "interpret"
+  model = build_model(config)
+  variables = init_variables(model, jax.random.key(0))
+  assert set(variables) == {"params", "balance"}
+  assert (config.model.kda.implementation, config.model.mla.attention, config.model.moe.grouped_matmul) == \
+      ("interpret", "interpret", "auto")
+  assert model.cfg.kda.implementation == "interpret"
 
 
 def test_forward_traces_once_and_is_finite():

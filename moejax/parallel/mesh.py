@@ -36,6 +36,7 @@ LOGICAL_AXIS_RULES = (
     ("norm", None),
     ("conv", None),
     ("rank", None),
+    ("layers", None),  # the stacking axis of scanned layers (moejax/model.py)
 )
 
 
