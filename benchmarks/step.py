@@ -4,6 +4,7 @@ component, and one step at T=1M with rematerialisation.
   python benchmarks/step.py --config experiments/h200.py --out BENCHMARKS.md
   python benchmarks/step.py --config experiments/h200.py --only long   # just the 1M-token step
   python benchmarks/step.py --mesh data=2,expert=4 --only step         # 8 devices, expert-parallel
+  python benchmarks/step.py --config experiments/h200.py --only components --step-ms 664.9
   python benchmarks/step.py --smoke                                    # tiny shapes, any machine
 
 The step runs on a data x expert mesh (default: `expert` over every device, so one GPU is a mesh
@@ -56,6 +57,7 @@ from moejax.train_step import init_state, make_train_step, shard_state  # noqa: 
 
 SECTION = "Training step"
 LONG_SECTION = "Training step at 1M tokens"
+COMPONENTS_SECTION = "Training step components"
 LONG_SEQ = 1 << 20
 _START = time.perf_counter()
 
@@ -291,16 +293,38 @@ def bench_step(args, device, write) -> list[str]:
       f"| compile | {r['compile_s']:.0f} s |", f"| dropped tokens | {r['dropped']:.0f} |"]
   # Written now, so that the step's figures survive a run cut off while it times the components.
   write(SECTION, lines + ["", "Components: not timed (the run ended before them)."])
-  lines += [
-      "", "Components timed alone (forward + backward, the step's shapes):", "",
-      "| component | count | ms each | ms in all | share of the step |", "|---|---|---|---|---|"]
+  return lines + component_table(config, batch, r["state"], r["optimizer"], step_ms)
+
+
+def component_table(config, batch, state, optimizer, step_ms: float | None) -> list[str]:
+  """Markdown rows of the components timed alone, with their share of a step of step_ms (if given)."""
+  lines = ["", "Components timed alone (forward + backward, the step's shapes):", "",
+           "| component | count | ms each | ms in all | share of the step |", "|---|---|---|---|---|"]
   accounted = 0.0
-  for name, count, ms in component_times(config, batch, r["state"], r["optimizer"]):
+  for name, count, ms in component_times(config, batch, state, optimizer):
     accounted += count * ms
-    lines.append(f"| {name} | {count} | {ms:.2f} | {count * ms:.1f} | {count * ms / step_ms:.0%} |")
-  rest = step_ms - accounted
-  lines.append(f"| rest (AttnRes, embedding, balance, glue) | | | {rest:.1f} | {rest / step_ms:.0%} |")
+    share = f"{count * ms / step_ms:.0%}" if step_ms else "-"
+    lines.append(f"| {name} | {count} | {ms:.2f} | {count * ms:.1f} | {share} |")
+  if step_ms:
+    rest = step_ms - accounted
+    lines.append(f"| rest (AttnRes, embedding, balance, glue) | | | {rest:.1f} | {rest / step_ms:.0%} |")
+  else:
+    lines.append(f"| sum | | | {accounted:.1f} | - |")
   return lines
+
+
+def bench_components(args) -> list[str]:
+  """The components alone, without the full step (whose figures come from an earlier `--only step`
+  run, passed as --step-ms, or none): for a device call too short for both."""
+  config = load_config(args.config, args.set, args.smoke)
+  seq_len, _, tokens = config.train.stages[0]
+  batch = synthetic_batch(config, tokens // seq_len, seq_len, args.mean_doc)
+  log("initialising the state (for the LM head and the optimizer update)")
+  state, optimizer, _ = init_state(build_model(config), config, jax.random.key(0),
+                                   sum(s[1] for s in config.train.stages))
+  where = f" (the step time, {args.step_ms} ms, is from an earlier run)" if args.step_ms else ""
+  return [f"`{args.config}` at seq_len {seq_len}, {tokens} tokens per step, one device{where}.",
+          *component_table(config, batch, state, optimizer, args.step_ms)]
 
 
 def bench_long(args) -> list[str]:
@@ -341,7 +365,9 @@ def main():
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--mean-doc", type=int, default=2048, help="mean document length of the batches")
   parser.add_argument("--long-seq", type=int, default=LONG_SEQ)
-  parser.add_argument("--only", choices=("step", "long"), default=None)
+  parser.add_argument("--only", choices=("step", "long", "components"), default=None)
+  parser.add_argument("--step-ms", type=float, default=None,
+                      help="with --only components: the step time to share the components of")
   parser.add_argument("--mesh", default=None, help="e.g. data=2,expert=4 (default: expert over all devices)")
   parser.add_argument("--long-child", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU); prints, writes no table")
@@ -370,6 +396,9 @@ def main():
       replace_section(args.out, title, body)
       log(f"wrote the '{title}' section of {args.out}")
 
+  if args.only == "components":
+    write(COMPONENTS_SECTION, bench_components(args))
+    return
   if args.only != "long":
     write(SECTION, bench_step(args, device, write))
   if args.only != "step":
