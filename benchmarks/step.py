@@ -51,7 +51,7 @@ from moejax.layers.kda import KDA  # noqa: E402
 from moejax.layers.mla import GatedMLA  # noqa: E402
 from moejax.layers.moe import MoE  # noqa: E402
 from moejax.loss import cross_entropy  # noqa: E402
-from moejax.model import build_model, layer_kinds  # noqa: E402
+from moejax.model import SCANNED, build_model, layer_kinds  # noqa: E402
 from moejax.parallel import mesh as meshlib  # noqa: E402
 from moejax.train_step import init_state, make_train_step, shard_state  # noqa: E402
 
@@ -123,7 +123,7 @@ def model_flops_per_token(config, params, seq_len: int) -> dict:
   matmul = 0.0
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     keys = [str(getattr(k, "key", k)) for k in path]
-    if leaf.ndim < 2 or (keys[-1] == "embedding" and not m.tie_embeddings):
+    if leaf.ndim - (keys[0] == SCANNED) < 2 or (keys[-1] == "embedding" and not m.tie_embeddings):
       continue
     share = e.top_k / e.num_experts if keys[-1].startswith("expert_") else 1.0
     matmul += 2 * leaf.size * share

@@ -23,9 +23,9 @@ def get_config():
   m.num_dense_layers = 1
   m.dtype = "bfloat16"
   m.remat = "none"
-  # Unrolled: scanned (layers 4-15, three KKKM periods) without remat, the step asked the H200 for
-  # 186.7 GiB (2026-12-03), where unrolled it peaks at 99.7 GiB: XLA's own rematerialisation cannot
-  # reach into a loop's saved activations. With remat="full" the scan pays off (1m.py).
+  # Unrolled: scanned (three KKKM periods), the step asked the H200 for 186.7 GiB (2026-12-03), where
+  # unrolled it peaks at 99.7 GiB. The scan's backward keeps the AttnRes block buffer once per period
+  # (README, "scan_layers").
   m.scan_layers = False
   m.kda.num_heads = 8
   m.kda.head_k_dim = 128

@@ -205,9 +205,9 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
     layout = layer_layout(m)
     need(layout.repeats >= 1,
-         f"model.scan_layers: no layers can be scanned: with AttnRes a scanned period is a whole number "
-         f"of blocks (model.attnres.block_size={r.block_size} sublayers) starting on a block boundary "
-         f"after layer 0, and model.num_layers={m.num_layers} leaves no room for one; set scan_layers=False")
+         f"model.scan_layers: no run of two identical layer periods to scan in model.num_layers="
+         f"{m.num_layers} (with AttnRes a period is a whole number of blocks, model.attnres.block_size="
+         f"{r.block_size} sublayers, starting on a block boundary after layer 0); set scan_layers=False")
 
   f = m.ffn
   need(f.situ_b1 > 0 and f.situ_b2 > 0, "model.ffn.situ_b1 and situ_b2 must be positive")

@@ -60,8 +60,8 @@ class LayerLayout(NamedTuple):
 def layer_layout(cfg) -> LayerLayout:
   """The scan layout of a model config (`config.model`); repeats=0 when nothing is scanned.
 
-  Searched over the layer kinds: the run of identical periods that covers the most layers (then the
-  shortest period). With AttnRes a period closes whole blocks and starts on a block boundary, so the
+  Searched over the layer kinds: the run of at least two identical periods that takes the most layers
+  out of the compiled program, period * (repeats - 1), then the shortest period. With AttnRes a period closes whole blocks and starts on a block boundary, so the
   carried state has the same structure after every period, and layer 0 stays out (its mixer reads
   the embedding alone and has no query, where every scanned layer has one).
   """
@@ -78,7 +78,7 @@ def layer_layout(cfg) -> LayerLayout:
       repeats = 1
       while kinds[start + repeats * period:start + (repeats + 1) * period] == body:
         repeats += 1
-      if period * repeats > best.period * best.repeats:
+      if repeats >= 2 and period * (repeats - 1) > best.period * max(best.repeats - 1, 0):
         best = LayerLayout(start, period, repeats)
   return best
 

@@ -19,21 +19,25 @@ from moejax.params import count_params  # noqa: E402
 H200 = str(pathlib.Path(__file__).resolve().parent.parent / "experiments" / "h200.py")
 
 
-def test_matmul_flops_are_six_per_active_weight():
+@pytest.mark.parametrize("scan", [False, True])
+def test_matmul_flops_are_six_per_active_weight(scan):
   """3 x (2 per active matmul weight): the parameter counter's active total less the embedding table
-  (a gather) and the vectors (norm scales, AttnRes queries), which do no matmul work per token."""
-  config = step.load_config(H200, [], smoke=True)
+  (a gather) and the vectors (norm scales, AttnRes queries), which do no matmul work per token; the
+  same with scanned layers, whose stacked vectors have a leading layers axis."""
+  config = step.load_config(H200, [f"model.scan_layers={scan}", "model.num_layers=12"], smoke=True)
   model = build_model(config)
   abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 16), np.int32)))
   params = nn.unbox(abstract["params"])
-  vectors = sum(leaf.size for leaf in jax.tree.leaves(params) if leaf.ndim < 2)
+  stacked = lambda path: str(getattr(path[0], "key", "")) == "scanned"
+  vectors = sum(leaf.size for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+                if leaf.ndim - stacked(path) < 2)
   embedding = params["embedding"].size
   flops = step.model_flops_per_token(config, params, seq_len=256)
   assert flops["matmul weights"] == pytest.approx(6 * (count_params(config)["active"] - embedding - vectors))
   m = config.model
-  assert flops["KDA chunked form"] == pytest.approx(3 * 3 * kda_forward_flops_per_token(
-      m.kda.num_heads, m.kda.head_k_dim, m.kda.head_v_dim, m.kda.chunk_size))  # 3 KDA layers
-  assert flops["MLA attention"] == pytest.approx(3 * causal_attention_forward_flops_per_token(
+  assert flops["KDA chunked form"] == pytest.approx(3 * 9 * kda_forward_flops_per_token(
+      m.kda.num_heads, m.kda.head_k_dim, m.kda.head_v_dim, m.kda.chunk_size))  # 9 KDA layers
+  assert flops["MLA attention"] == pytest.approx(3 * 3 * causal_attention_forward_flops_per_token(
       m.mla.num_heads, m.mla.qk_nope_head_dim, m.mla.v_head_dim, 256))
   assert flops["total"] == pytest.approx(sum(v for k, v in flops.items() if k != "total"))
 

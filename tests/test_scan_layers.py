@@ -38,11 +38,12 @@ def _config(scan, *, num_layers, pattern, dense, block=4, mode="attnres", remat=
   return validate(c)
 
 
-# (name, settings, expected layout): an unrolled prefix and two periods; an unrolled suffix with
-# rematerialised layers (layer 0 stays out: its mixer has no AttnRes query); plain residuals from 0.
+# (name, settings, expected layout): an unrolled prefix and two periods; two periods between an unrolled
+# prefix and suffix, with rematerialised layers (layer 0 stays out: its mixer has no AttnRes query);
+# plain residuals from layer 0.
 CASES = [
     ("attnres", dict(num_layers=6, pattern="KM", dense=1, block=4), LayerLayout(2, 2, 2)),
-    ("suffix", dict(num_layers=5, pattern="K", dense=0, block=4, remat="full"), LayerLayout(2, 2, 1)),
+    ("suffix", dict(num_layers=7, pattern="K", dense=0, block=4, remat="full"), LayerLayout(2, 2, 2)),
     ("residual", dict(num_layers=4, pattern="KM", dense=0, mode="residual"), LayerLayout(0, 2, 2)),
 ]
 
@@ -94,6 +95,18 @@ def test_layout(name, settings, layout):
 def test_nothing_to_scan_is_a_config_error():
   with pytest.raises(ConfigError, match="scan_layers"):  # 8-sublayer blocks: periods of 4 from layer 4
     _config(True, num_layers=4, pattern="KM", dense=0, block=8)
+  with pytest.raises(ConfigError, match="scan_layers"):  # one period of 4 fits, but it does not repeat
+    _config(True, num_layers=10, pattern="KM", dense=0, block=8)
+
+
+@pytest.mark.parametrize("settings,layout", [
+    # A single pass over many layers would cover more of them, but saves nothing: the repeats win.
+    (dict(num_layers=16, pattern="KKKM", dense=1, block=4), LayerLayout(2, 4, 3)),
+    (dict(num_layers=16, pattern="KKKM", dense=1, block=4, mode="residual"), LayerLayout(1, 4, 3)),
+    (dict(num_layers=8, pattern="KM", dense=0, block=2), LayerLayout(1, 2, 3)),
+])
+def test_layout_prefers_repeats(settings, layout):
+  assert layer_layout(_config(True, **settings).model) == layout
 
 
 def test_layout_finds_the_repeats_inside_a_long_pattern():
