@@ -59,6 +59,7 @@ SECTION = "Training step"
 LONG_SECTION = "Training step at 1M tokens"
 COMPONENTS_SECTION = "Training step components"
 LONG_SEQ = 1 << 20
+LONG_MOE_CHUNK = 1 << 17
 _START = time.perf_counter()
 
 
@@ -245,6 +246,8 @@ def run_long(args) -> dict:
   """One rematerialised step at T=LONG_SEQ (its own process: the peak memory is this step's)."""
   config = load_config(args.config, args.set, args.smoke)
   config.model.remat = "full"
+  # As experiments/1m.py: the routed experts over 128K tokens at a time, unless the config chose.
+  config.model.moe.token_chunk = config.model.moe.token_chunk or min(args.long_seq, LONG_MOE_CHUNK)
   # QK-clip's max-logit pass is a blockwise O(T^2) loop outside the fused kernel: off here, and said so.
   config.optim.qk_clip_tau = 0.0
   config.train.stages = ((args.long_seq, 3, args.long_seq),)
@@ -252,7 +255,7 @@ def run_long(args) -> dict:
   batch = synthetic_batch(config, 1, args.long_seq, args.mean_doc, seed=1)
   r = time_steps(config, batch, steps=1, mesh=make_mesh({}))
   return {"seq_len": args.long_seq, "step_s": r["step_s"], "compile_s": r["compile_s"], "loss": r["loss"],
-          "peak_bytes": peak_memory_bytes(), "mla_attention": GatedMLA(
+          "peak_bytes": peak_memory_bytes(), "moe_chunk": config.model.moe.token_chunk, "mla_attention": GatedMLA(
               ml_collections.FrozenConfigDict(config.model)).implementation(packed=True)}
 
 
@@ -350,7 +353,8 @@ def bench_long(args) -> list[str]:
     return [f"One step at T={args.long_seq:,} with remat: **failed** (exit {returncode}): `{last}`"]
   r = json.loads(out[0][len("LONG "):])
   mem = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f} GiB"
-  text = (f"One step at T={r['seq_len']:,} (one row, remat full, MLA attention `{r['mla_attention']}`, "
+  text = (f"One step at T={r['seq_len']:,} (one row, remat full, MoE over {r['moe_chunk']:,}-token chunks, "
+          f"MLA attention `{r['mla_attention']}`, "
           f"QK-clip off): {r['step_s']:.1f} s, peak memory {mem}, compile {r['compile_s']:.0f} s, "
           f"loss {r['loss']:.3f}.")
   log(text)

@@ -19,6 +19,9 @@ from moejax.config import load_experiment
 def get_config():
   c = load_experiment(pathlib.Path(__file__).with_name("h200.py"))
   c.model.remat = "full"
+  # 8M routed rows at 1M tokens (top 8): run the experts over 128K tokens at a time, so one chunk's
+  # rows and activations are live, not the whole row's.
+  c.model.moe.token_chunk = 131_072
   t = c.train
   t.stages = (
       (8_192, 2_000, 524_288),

@@ -92,6 +92,10 @@ def base_config() -> ml_collections.ConfigDict:
   # padded CPU path and the ragged GPU path). Pairs past it are dropped and counted in router/dropped;
   # a factor >= the expert-axis size can never drop.
   e.capacity_factor = 2.0
+  # Tokens per pass through the routed experts (0: all at once). Each pass is rematerialised, so only
+  # one chunk's top_k routed rows are live: set it for long sequences (1m.py). Must divide the tokens
+  # of each shard.
+  e.token_chunk = 0
   # The experts' grouped matmuls: "auto" (Pallas kernel on GPU, jax.lax.ragged_dot elsewhere), "xla",
   # "pallas" (GPU only) or "interpret" (the Pallas kernels in interpret mode, slow; for tests).
   e.grouped_matmul = "auto"
@@ -221,6 +225,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(e.grouped_matmul in GROUPED_MATMULS,
          f"model.moe.grouped_matmul={e.grouped_matmul!r} not in {GROUPED_MATMULS}")
     need(e.num_shared >= 0, "model.moe.num_shared must be >= 0")
+    need(isinstance(e.token_chunk, int) and e.token_chunk >= 0,
+         f"model.moe.token_chunk must be an integer >= 0 (0: no chunking), got {e.token_chunk!r}")
     need(e.latent_dim > 0 and e.expert_hidden_dim > 0, "model.moe latent/expert dims must be positive")
   from moejax.data.config import validate_data_config
 

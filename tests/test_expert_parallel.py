@@ -4,6 +4,7 @@ The ragged exchange cannot run on XLA:CPU; its bookkeeping runs here with an emu
 jax.lax.ragged_all_to_all built from all_gather, and the real op is checked to lower.
 """
 
+import contextlib
 import functools
 import math
 
@@ -181,6 +182,26 @@ def test_layer_on_mesh_equals_single_device(single_device, shape):
   # between two margins; both are mean-zero and close.
   assert abs(float(stats["bias_next"].mean())) < 1e-5
   chex.assert_trees_all_close(stats["bias_next"], stats0["bias_next"], atol=0.05)
+
+
+@pytest.mark.parametrize("shape", [None, dict(expert=8)])
+def test_token_chunks_equal_one_pass(single_device, shape):
+  """moe.token_chunk runs the routed experts over 2-token chunks (16 of them on one device, 2 per shard
+  on the mesh), rematerialised: the same outputs, loads and gradients as one pass."""
+  _, _, x, params, balance, (y0, stats0, grads0) = single_device
+  model = MoE(ep_cfg(token_chunk=2))
+  with jax.set_mesh(meshlib.make_mesh(**shape)) if shape else contextlib.nullcontext():
+    y, stats, grads = layer_fwd_bwd(model, params, balance, x)
+  chex.assert_trees_all_close(y, y0, atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_close(grads, grads0, atol=1e-5, rtol=1e-4)
+  np.testing.assert_array_equal(stats["load"], stats0["load"])
+  assert int(stats["dropped"]) == 0
+
+
+def test_token_chunk_that_does_not_divide_is_an_error(single_device):
+  _, _, x, params, balance, _ = single_device
+  with pytest.raises(ValueError, match="token_chunk=5 does not divide the 32 tokens"):
+    MoE(ep_cfg(token_chunk=5)).apply({"params": params, "balance": balance}, x, mutable=("router",))
 
 
 def test_layer_counts_dropped_pairs():

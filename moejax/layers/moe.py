@@ -60,16 +60,19 @@ def _routed(w, x_BTD, segment_ids_BT, bias_E, *, cfg, stats_wanted: bool, axes: 
 
   h_ML = jnp.dot(x_MD, w["w_down"].astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
   experts = [w[name] for name in _EXPERT_WEIGHTS]
-  if exchange is None:
-    y_ML = dropless_moe(h_ML, idx_MK, p_MK, *experts, cfg.ffn.situ_b1, cfg.ffn.situ_b2,
-                        e.grouped_matmul)
-    stats["dropped"] = jnp.zeros((), jnp.int32)
-  else:
-    y_ML, dropped = expert_parallel(
+
+  def experts_fn(h_ML, idx_MK, p_MK):
+    if exchange is None:
+      y_ML = dropless_moe(h_ML, idx_MK, p_MK, *experts, cfg.ffn.situ_b1, cfg.ffn.situ_b2,
+                          e.grouped_matmul)
+      return y_ML, jnp.zeros((), jnp.int32)
+    return expert_parallel(
         h_ML, idx_MK, p_MK, *experts, exchange=exchange, num_experts=n,
         capacity_factor=e.capacity_factor, b1=cfg.ffn.situ_b1, b2=cfg.ffn.situ_b2,
         axis_name=meshlib.EXPERT_AXIS, grouped_matmul=e.grouped_matmul)
-    stats["dropped"] = reduce(dropped)
+
+  y_ML, dropped = by_token_chunks(experts_fn, e.token_chunk, h_ML, idx_MK, p_MK)
+  stats["dropped"] = reduce(dropped)
   y_ML = rms_norm(y_ML, w["latent_norm"], cfg.norm_eps).astype(dtype)
   y_MD = jnp.dot(y_ML, w["w_up"].astype(dtype), preferred_element_type=jnp.float32)
 
@@ -80,6 +83,21 @@ def _routed(w, x_BTD, segment_ids_BT, bias_E, *, cfg, stats_wanted: bool, axes: 
     total, docs = sequence_aux_loss_terms(s_ME, idx_MK, segment_ids_BT, k)
     stats["aux_loss"] = e.aux_loss_weight * reduce(total) / reduce(docs)
   return y_MD.reshape(b, t, d), stats
+
+
+def by_token_chunks(fn, chunk: int, h_ML, idx_MK, p_MK):
+  """fn(h, idx, p) -> (y [m, L], dropped []) over consecutive chunks of `chunk` tokens (0: all at
+  once), each rematerialised in the backward pass, so only one chunk's routed rows (top_k per token,
+  with their gate/up activations) are live at a time: what bounds the layer's memory at long T."""
+  m = h_ML.shape[0]
+  if not chunk or m <= chunk:
+    return fn(h_ML, idx_MK, p_MK)
+  if m % chunk:
+    raise ValueError(f"moe.token_chunk={chunk} does not divide the {m} tokens of this shard")
+  split = lambda x: x.reshape(m // chunk, chunk, *x.shape[1:])
+  y_NCL, dropped_N = jax.lax.map(jax.checkpoint(lambda args: fn(*args)),
+                                 (split(h_ML), split(idx_MK), split(p_MK)))
+  return y_NCL.reshape(m, -1), jnp.sum(dropped_N)
 
 
 class MoE(nn.Module):
