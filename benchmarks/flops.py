@@ -1,4 +1,5 @@
-"""FLOP counts shared by the benchmarks: the chunked KDA form and causal softmax attention.
+"""FLOP counts shared by the benchmarks: the chunked KDA form, causal softmax attention, and Muon's
+orthogonalisation.
 
 Forward FLOPs per token; a training step counts three times the forward (the backward as twice the
 forward), without rematerialised recomputation.
@@ -17,3 +18,13 @@ def causal_attention_forward_flops_per_token(heads: int, qk_dim: int, v_dim: int
   """QK^T and PV over a causal row of `seq_len`: each query sees (T + 1) / 2 keys on average. Packed
   documents are not subtracted: the fused kernels skip only the upper triangle."""
   return 2 * heads * (qk_dim + v_dim) * (seq_len + 1) / 2
+
+
+def newton_schulz_flops(shapes: list[tuple[int, int, int]], steps: int = 5) -> float:
+  """Muon's quintic Newton-Schulz over (batch, rows, cols) matrices: per step, with m <= n the short
+  side, X X^T (2 m^2 n), A A (2 m^3) and B X (2 m^2 n)."""
+  total = 0.0
+  for batch, rows, cols in shapes:
+    m, n = min(rows, cols), max(rows, cols)
+    total += batch * steps * (4 * m * m * n + 2 * m ** 3)
+  return total

@@ -29,6 +29,7 @@ is its own.
 import argparse
 import datetime
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -42,7 +43,8 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks.flops import causal_attention_forward_flops_per_token, kda_forward_flops_per_token  # noqa: E402
+from benchmarks.flops import (  # noqa: E402
+    causal_attention_forward_flops_per_token, kda_forward_flops_per_token, newton_schulz_flops)
 from benchmarks.report import replace_section  # noqa: E402
 from benchmarks.timing import matmul_rate, time_ms  # noqa: E402
 from moejax.config import load_experiment, validate  # noqa: E402
@@ -51,6 +53,7 @@ from moejax.layers.kda import KDA  # noqa: E402
 from moejax.layers.mla import GatedMLA  # noqa: E402
 from moejax.layers.moe import MoE  # noqa: E402
 from moejax.loss import cross_entropy  # noqa: E402
+from moejax.optim import matrix_axes  # noqa: E402
 from moejax.model import SCANNED, build_model, layer_kinds  # noqa: E402
 from moejax.parallel import mesh as meshlib  # noqa: E402
 from moejax.train_step import init_state, make_train_step, shard_state  # noqa: E402
@@ -60,6 +63,7 @@ LONG_SECTION = "Training step at 1M tokens"
 COMPONENTS_SECTION = "Training step components"
 LONG_SEQ = 1 << 20
 LONG_MOE_CHUNK = 1 << 17
+MUON_NS_STEPS = 5  # optax.contrib.muon's default, which moejax.optim keeps
 _START = time.perf_counter()
 
 
@@ -137,6 +141,20 @@ def model_flops_per_token(config, params, seq_len: int) -> dict:
   return {**parts, "total": sum(parts.values())}
 
 
+def muon_matrices(config, params, axes) -> list[tuple[int, int, int]]:
+  """(batch, reduction, output) sizes of every matrix Muon orthogonalises (none under AdamW)."""
+  if config.optim.name != "muon":
+    return []
+  out = []
+  is_axes = lambda x: isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
+  for names, p in zip(jax.tree.leaves(axes, is_leaf=is_axes), jax.tree.leaves(params), strict=True):
+    dims = matrix_axes(names)
+    if dims is not None:
+      red, outs = (math.prod(p.shape[i] for i in d) for d in dims)
+      out.append((p.size // (red * outs), red, outs))
+  return out
+
+
 def peak_memory_bytes() -> float | None:
   stats = jax.local_devices()[0].memory_stats()
   return None if not stats else float(stats.get("peak_bytes_in_use", float("nan")))
@@ -171,7 +189,7 @@ def time_steps(config, batch, steps: int, mesh) -> dict:
   batch = jax.device_put(batch, meshlib.batch_sharding(mesh))
   step = jax.jit(make_train_step(model, optimizer, config, total), donate_argnums=0)
   with jax.set_mesh(mesh):
-    return _time_steps(step, state, batch, steps, optimizer)
+    return {**_time_steps(step, state, batch, steps, optimizer), "axes": axes}
 
 
 def _time_steps(step, state, batch, steps, optimizer) -> dict:
@@ -293,10 +311,21 @@ def bench_step(args, device, write) -> list[str]:
       *(f"| model FLOPs/token: {k} | {v / 1e9:.3f} G |" for k, v in flops.items()),
       f"| bf16 matmul rate (XLA {matmul_n}^3, same call) | {peak_rate / 1e12:.1f} TFLOP/s |",
       f"| **MFU** (per device) | **{mfu:.1%}** (target 35%) |", f"| peak memory | {mem} |",
-      f"| compile | {r['compile_s']:.0f} s |", f"| dropped tokens | {r['dropped']:.0f} |"]
+      f"| compile | {r['compile_s']:.0f} s |", f"| dropped tokens | {r['dropped']:.0f} |",
+      *optimizer_rows(config, r["params"], r["axes"], flops["total"] * tokens)]
   # Written now, so that the step's figures survive a run cut off while it times the components.
   write(SECTION, lines + ["", "Components: not timed (the run ended before them)."])
   return lines + component_table(config, batch, r["state"], r["optimizer"], step_ms)
+
+
+def optimizer_rows(config, params, axes, model_flops: float) -> list[str]:
+  """Muon's orthogonalisation work per step, which MFU (model FLOPs) leaves out."""
+  matrices = muon_matrices(config, params, axes)
+  if not matrices:
+    return []
+  ns = newton_schulz_flops(matrices, MUON_NS_STEPS)
+  return [f"| optimizer FLOPs (Muon Newton-Schulz, {sum(b for b, _, _ in matrices):,} matrices; not in MFU) "
+          f"| {ns / 1e12:.2f} T per step ({ns / model_flops:.0%} of the model's) |"]
 
 
 def component_table(config, batch, state, optimizer, step_ms: float | None) -> list[str]:

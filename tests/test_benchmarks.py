@@ -67,3 +67,20 @@ def test_attention_pair_count_and_documents():
   assert (np.diff(docs, axis=1) >= 0).all()
   lengths = np.diff(np.flatnonzero(np.diff(np.r_[-1, docs[0], -2])))
   assert lengths.sum() == 5000 and 50 < lengths.mean() < 200
+
+
+def test_newton_schulz_flops_by_hand_and_matrix_list():
+  from benchmarks.flops import newton_schulz_flops
+  # m=3 <= n=5: X X^T 2*9*5, A A 2*27, B X 2*9*5 per step; 5 steps; a batch of 2.
+  assert newton_schulz_flops([(2, 5, 3)]) == 2 * 5 * (4 * 9 * 5 + 2 * 27)
+  config = step.load_config(H200, [], smoke=True)
+  model = build_model(config)
+  abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 16), np.int32)))
+  from moejax.train_step import logical_axes
+  axes, params = logical_axes(abstract["params"]), nn.unbox(abstract["params"])
+  matrices = step.muon_matrices(config, params, axes)
+  # Every expert matrix is one entry per expert; the router, embedding, head and vectors are not there.
+  assert (config.model.moe.num_experts, config.model.moe.latent_dim, config.model.moe.expert_hidden_dim) in matrices
+  m = config.model
+  assert (1, m.d_model, m.moe.num_experts) not in matrices
+  assert not step.muon_matrices(step.load_config(H200, ["optim.name=adamw"], smoke=True), params, axes)
