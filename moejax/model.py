@@ -61,9 +61,10 @@ def layer_layout(cfg) -> LayerLayout:
   """The scan layout of a model config (`config.model`); repeats=0 when nothing is scanned.
 
   Searched over the layer kinds: the run of at least two identical periods that takes the most layers
-  out of the compiled program, period * (repeats - 1), then the shortest period. With AttnRes a period closes whole blocks and starts on a block boundary, so the
-  carried state has the same structure after every period, and layer 0 stays out (its mixer reads
-  the embedding alone and has no query, where every scanned layer has one).
+  out of the compiled program, period * (repeats - 1), then the shortest period. With AttnRes a period
+  closes whole blocks and starts on a block boundary, so the carried state has the same structure after
+  every period, and layer 0 stays out (its mixer reads the embedding alone and has no query, where
+  every scanned layer has one).
   """
   if not cfg.scan_layers:
     return LayerLayout(0, 1, 0)
