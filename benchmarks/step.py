@@ -44,7 +44,10 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from benchmarks.flops import (  # noqa: E402
-    causal_attention_forward_flops_per_token, kda_forward_flops_per_token, newton_schulz_flops)
+  causal_attention_forward_flops_per_token,
+  kda_forward_flops_per_token,
+  newton_schulz_flops,
+)
 from benchmarks.report import replace_section  # noqa: E402
 from benchmarks.timing import matmul_rate, time_ms  # noqa: E402
 from moejax.config import load_experiment, validate  # noqa: E402
@@ -53,10 +56,10 @@ from moejax.layers.kda import KDA  # noqa: E402
 from moejax.layers.mla import GatedMLA  # noqa: E402
 from moejax.layers.moe import MoE  # noqa: E402
 from moejax.loss import cross_entropy  # noqa: E402
-from moejax.optim import matrix_axes  # noqa: E402
 from moejax.model import SCANNED, build_model, layer_kinds  # noqa: E402
+from moejax.optim import matrix_axes  # noqa: E402
 from moejax.parallel import mesh as meshlib  # noqa: E402
-from moejax.train_step import init_state, make_train_step, shard_state  # noqa: E402
+from moejax.train_step import init_state, is_logical_axes, make_train_step, shard_state  # noqa: E402
 
 SECTION = "Training step"
 LONG_SECTION = "Training step at 1M tokens"
@@ -146,8 +149,7 @@ def muon_matrices(config, params, axes) -> list[tuple[int, int, int]]:
   if config.optim.name != "muon":
     return []
   out = []
-  is_axes = lambda x: isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
-  for names, p in zip(jax.tree.leaves(axes, is_leaf=is_axes), jax.tree.leaves(params), strict=True):
+  for names, p in zip(jax.tree.leaves(axes, is_leaf=is_logical_axes), jax.tree.leaves(params), strict=True):
     dims = matrix_axes(names)
     if dims is not None:
       red, outs = (math.prod(p.shape[i] for i in d) for d in dims)
@@ -272,9 +274,10 @@ def run_long(args) -> dict:
   validate(config)
   batch = synthetic_batch(config, 1, args.long_seq, args.mean_doc, seed=1)
   r = time_steps(config, batch, steps=1, mesh=make_mesh({}))
+  mla = GatedMLA(ml_collections.FrozenConfigDict(config.model))
   return {"seq_len": args.long_seq, "step_s": r["step_s"], "compile_s": r["compile_s"], "loss": r["loss"],
-          "peak_bytes": peak_memory_bytes(), "moe_chunk": config.model.moe.token_chunk, "mla_attention": GatedMLA(
-              ml_collections.FrozenConfigDict(config.model)).implementation(packed=True)}
+          "peak_bytes": peak_memory_bytes(), "moe_chunk": config.model.moe.token_chunk,
+          "mla_attention": mla.implementation(packed=True)}
 
 
 def bench_step(args, device, write) -> list[str]:

@@ -22,7 +22,7 @@ from moejax.layers.ffn import SiTUGLU
 from moejax.layers.kda import KDA
 from moejax.layers.mla import GatedMLA
 from moejax.layers.moe import MoE
-from moejax.nn import RMSNorm, logical_param
+from moejax.nn import LAYERS_AXIS, RMSNorm, logical_param
 
 # A block that never closes: with plain residuals the partial sum *is* the residual stream.
 _NEVER = 1 << 62
@@ -192,7 +192,7 @@ class Transformer(nn.Module):
       period_kinds = tuple(kinds[layout.start:layout.start + layout.period])
       scan = nn.scan(LayerPeriod, variable_axes={True: 0}, split_rngs={"params": True},
                      in_axes=nn.broadcast, length=layout.repeats,
-                     metadata_params={nn.PARTITION_NAME: "layers"})
+                     metadata_params={nn.PARTITION_NAME: LAYERS_AXIS})
       self.scanned = scan(cfg, period_kinds, name=SCANNED)
     if cfg.attnres.mode == "attnres":
       self.final_attnres = AttnResQuery(cfg.norm_eps)

@@ -13,6 +13,14 @@ import jax.numpy as jnp
 
 Axes = tuple[str | None, ...]
 
+# The leading logical axis of the params of scanned layers (moejax/model.py): a batch of layers.
+LAYERS_AXIS = "layers"
+
+
+def layers_lead(names: Axes) -> int:
+  """How many leading axes of a param with these logical names stack scanned layers: 1 or 0."""
+  return 1 if names[:1] == (LAYERS_AXIS,) else 0
+
 def kernel_init(num_in_axes: int, ndim: int):
   """Fan-in init for a kernel whose first `num_in_axes` axes are contracted with the input.
 

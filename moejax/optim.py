@@ -19,6 +19,8 @@ import optax
 from flax import traverse_util
 from optax.contrib import MuonDimensionNumbers
 
+from moejax.nn import LAYERS_AXIS, layers_lead
+
 _ADAM_ONLY_AXES = {"vocab", "conv", "norm"}
 _INPUT_AXES = {"embed", "mlp", "latent", "q_lora", "kv_lora", "rank"}
 
@@ -32,10 +34,10 @@ def learning_rate_schedule(cfg_opt, total_steps: int):
 
 def matrix_axes(names: tuple) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
   """(reduction axes, output axes) of a weight matrix, from its logical names; None if not one."""
-  lead = 1 if names[:1] == ("layers",) else 0
+  lead = layers_lead(names)
   if _ADAM_ONLY_AXES & set(names) or "expert" in names[lead + 1:]:
     return None
-  core = [i for i, n in enumerate(names) if n not in ("expert", "layers")]
+  core = [i for i, n in enumerate(names) if n not in ("expert", LAYERS_AXIS)]
   if len(core) < 2:
     return None
   if names[core[-1]] == "embed":

@@ -18,6 +18,7 @@ from absl import app
 from ml_collections import config_flags
 
 from moejax.model import SCANNED, build_model
+from moejax.nn import layers_lead
 
 
 def _component(path: tuple[str, ...]) -> str:
@@ -58,7 +59,7 @@ def count_params(config) -> dict:
     names = leaf.names if isinstance(leaf, nn.Partitioned) else ()
     shape = nn.unbox(leaf).shape
     size = math.prod(shape)
-    lead = 1 if names[:1] == ("layers",) else 0
+    lead = layers_lead(names)
     routed = len(names) > lead and names[lead] == "expert" and shape[lead] == moe.num_experts
     active = round(size * active_fraction) if routed else size
     entry = components.setdefault(_component(path), [0, 0])

@@ -37,6 +37,11 @@ def logical_axes(boxed_params):
                       boxed_params, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
+def is_logical_axes(x) -> bool:
+  """Whether x is a leaf of a `logical_axes` tree: a tuple of axis names (or None)."""
+  return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
+
+
 def head_matrix(params, cfg_model):
   return params["embedding"].T if cfg_model.tie_embeddings else params["head"]
 
@@ -63,9 +68,8 @@ def shard_state(state: TrainState, axes, optimizer, mesh) -> TrainState:
   """`state` placed on `mesh`: params split by their logical axes (moejax.parallel.mesh rules), the
   optimizer state as XLA propagates it from them through `optimizer.init` (moments follow their
   parameter), everything else replicated. Run the step under `jax.set_mesh(mesh)`."""
-  is_axes = lambda x: isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
   params = jax.tree.map(lambda names, p: meshlib.named_sharding(names, p.shape, mesh), axes, state.params,
-                        is_leaf=is_axes)
+                        is_leaf=is_logical_axes)
   abstract = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
                           state.params, params)
   with jax.set_mesh(mesh):

@@ -80,7 +80,7 @@ def test_newton_schulz_flops_by_hand_and_matrix_list():
   axes, params = logical_axes(abstract["params"]), nn.unbox(abstract["params"])
   matrices = step.muon_matrices(config, params, axes)
   # Every expert matrix is one entry per expert; the router, embedding, head and vectors are not there.
-  assert (config.model.moe.num_experts, config.model.moe.latent_dim, config.model.moe.expert_hidden_dim) in matrices
   m = config.model
+  assert (m.moe.num_experts, m.moe.latent_dim, m.moe.expert_hidden_dim) in matrices
   assert (1, m.d_model, m.moe.num_experts) not in matrices
   assert not step.muon_matrices(step.load_config(H200, ["optim.name=adamw"], smoke=True), params, axes)

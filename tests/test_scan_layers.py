@@ -181,7 +181,8 @@ def test_train_step_scanned_equals_unrolled():
   def update_error(path, new_scan, new_ref, old):
     d_scan, d_ref = np.asarray(new_scan) - np.asarray(old), np.asarray(new_ref) - np.asarray(old)
     err, size = np.mean(np.abs(d_scan - d_ref)), np.mean(np.abs(d_ref))
-    assert err <= 1e-2 * size + 1e-9, f"{jax.tree_util.keystr(path)}: mean err {err:.3g}, mean step {size:.3g}"
+    where = jax.tree_util.keystr(path)
+    assert err <= 1e-2 * size + 1e-9, f"{where}: mean err {err:.3g}, mean step {size:.3g}"
 
   jax.tree_util.tree_map_with_path(update_error, per_layer(scan_state.params, scan_cfg.model),
                                    ref_state.params, ref_vars["params"])

@@ -18,6 +18,8 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moejax.nn import LAYERS_AXIS
+
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 TOKEN_AXES = ("data", "fsdp", "expert")
 EXPERT_AXIS = "expert"
@@ -36,7 +38,7 @@ LOGICAL_AXIS_RULES = (
     ("norm", None),
     ("conv", None),
     ("rank", None),
-    ("layers", None),  # the stacking axis of scanned layers (moejax/model.py)
+    (LAYERS_AXIS, None),  # the stacking axis of scanned layers (moejax/model.py)
 )
 
 
