@@ -57,6 +57,7 @@ from moejax.layers.mla import GatedMLA  # noqa: E402
 from moejax.layers.moe import MoE  # noqa: E402
 from moejax.loss import cross_entropy  # noqa: E402
 from moejax.model import SCANNED, build_model, layer_kinds  # noqa: E402
+from moejax.muon import NS_STEPS  # noqa: E402
 from moejax.optim import matrix_axes  # noqa: E402
 from moejax.parallel import mesh as meshlib  # noqa: E402
 from moejax.train_step import init_state, is_logical_axes, make_train_step, shard_state  # noqa: E402
@@ -66,7 +67,6 @@ LONG_SECTION = "Training step at 1M tokens"
 COMPONENTS_SECTION = "Training step components"
 LONG_SEQ = 1 << 20
 LONG_MOE_CHUNK = 1 << 17
-MUON_NS_STEPS = 5  # optax.contrib.muon's default, which moejax.optim keeps
 _START = time.perf_counter()
 
 
@@ -326,8 +326,9 @@ def optimizer_rows(config, params, axes, model_flops: float) -> list[str]:
   matrices = muon_matrices(config, params, axes)
   if not matrices:
     return []
-  ns = newton_schulz_flops(matrices, MUON_NS_STEPS)
-  return [f"| optimizer FLOPs (Muon Newton-Schulz, {sum(b for b, _, _ in matrices):,} matrices; not in MFU) "
+  ns = newton_schulz_flops(matrices, NS_STEPS)
+  return [f"| optimizer FLOPs (Muon Newton-Schulz in {config.optim.muon_ns_dtype}, "
+          f"{sum(b for b, _, _ in matrices):,} matrices; not in MFU) "
           f"| {ns / 1e12:.2f} T per step ({ns / model_flops:.0%} of the model's) |"]
 
 

@@ -117,6 +117,8 @@ def base_config() -> ml_collections.ConfigDict:
   o.grad_clip = 1.0  # global-norm clip; 0 disables
   o.muon_beta = 0.95
   o.muon_consistent_rms = 0.2
+  # The Newton-Schulz iteration's dtype: bf16 as in the original Muon (tensor-core rate), or float32.
+  o.muon_ns_dtype = "bfloat16"
   o.qk_clip_tau = 0.0  # > 0 enables per-head QK-clip on MLA (reported MuonClip uses 100)
 
   t = c.train = ml_collections.ConfigDict()
@@ -237,6 +239,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   need(o.lr > 0 and o.adam_lr > 0, "optim.lr and optim.adam_lr must be positive")
   need(o.warmup_steps >= 0 and o.grad_clip >= 0 and o.qk_clip_tau >= 0,
        "optim.warmup_steps, grad_clip and qk_clip_tau must be >= 0")
+  need(o.muon_ns_dtype in ("bfloat16", "float32"),
+       f"optim.muon_ns_dtype={o.muon_ns_dtype!r} must be 'bfloat16' or 'float32'")
 
   t = config.train
   need(len(t.stages) > 0, "train.stages must list at least one (seq_len, steps, tokens_per_batch)")

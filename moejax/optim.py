@@ -8,10 +8,8 @@ matrices. A kernel that ends in
 (embed, mlp, latent, a LoRA rank). What has no input axis is a bias or per-head vector
 (dt_bias [heads, kv]). Embeddings, the LM head ("vocab"), norm scales, biases, gate vectors,
 convolution taps and the router ([embed, expert]: its trailing expert axis is its output, and it
-feeds the balancing) stay on AdamW, as is usual for Muon.
+feeds the balancing) stay on AdamW, as is usual for Muon. Muon's own update is moejax/muon.py.
 """
-
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +17,7 @@ import optax
 from flax import traverse_util
 from optax.contrib import MuonDimensionNumbers
 
+from moejax.muon import scale_by_muon
 from moejax.nn import LAYERS_AXIS, layers_lead
 
 _ADAM_ONLY_AXES = {"vocab", "conv", "norm"}
@@ -75,45 +74,24 @@ def make_optimizer(cfg_opt, logical_axes, total_steps: int) -> optax.GradientTra
     core = optax.adamw(schedule, b1=cfg_opt.b1, b2=cfg_opt.b2, eps=cfg_opt.eps,
                        weight_decay=cfg_opt.weight_decay, mask=mask)
   elif cfg_opt.name == "muon":
-    adam_schedule = learning_rate_schedule(
-        dict_to_cfg(cfg_opt, lr=cfg_opt.adam_lr), total_steps)
+    adam_schedule = learning_rate_schedule(dict_to_cfg(cfg_opt, lr=cfg_opt.adam_lr), total_steps)
     dims = muon_dimension_numbers(logical_axes)
-    # optax's muon decays every AdamW-side parameter (it takes no mask there), norms included, so
-    # its AdamW side gets no decay and the masked decoupled decay follows it instead.
-    core = optax.chain(
-        optax.contrib.muon(
-            schedule, beta=cfg_opt.muon_beta, weight_decay=cfg_opt.weight_decay, weight_decay_mask=mask,
-            adam_b1=cfg_opt.b1, adam_b2=cfg_opt.b2, adam_weight_decay=0.0,
-            adam_learning_rate=adam_schedule, consistent_rms=cfg_opt.muon_consistent_rms,
-            muon_weight_dimension_numbers=dims),
-        decoupled_weight_decay(cfg_opt.weight_decay, adam_schedule, jax.tree.map(
-            lambda names: _decays(names) and matrix_axes(names) is None, logical_axes,
-            is_leaf=lambda x: isinstance(x, tuple))))
+    labels = jax.tree.map(lambda d: "adam" if d is None else "muon", dims,
+                          is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
+    core = optax.partition({
+        "muon": optax.chain(
+            scale_by_muon(dims, beta=cfg_opt.muon_beta, consistent_rms=cfg_opt.muon_consistent_rms,
+                          ns_dtype=cfg_opt.muon_ns_dtype),
+            optax.add_decayed_weights(cfg_opt.weight_decay, mask),
+            optax.scale_by_learning_rate(schedule)),
+        # Nesterov, as optax.contrib.muon's AdamW side.
+        "adam": optax.adamw(adam_schedule, b1=cfg_opt.b1, b2=cfg_opt.b2, eps=cfg_opt.eps,
+                            weight_decay=cfg_opt.weight_decay, mask=mask, nesterov=True),
+    }, labels)
   else:
     raise ValueError(f"optim.name={cfg_opt.name!r}: expected 'adamw' or 'muon'")
   chain = [optax.clip_by_global_norm(cfg_opt.grad_clip)] if cfg_opt.grad_clip > 0 else []
   return optax.chain(*chain, core)
-
-
-class DecayState(NamedTuple):
-  count: jax.Array
-
-
-def decoupled_weight_decay(rate: float, schedule, mask) -> optax.GradientTransformation:
-  """Adds -schedule(count) * rate * param where `mask` is True: AdamW's decoupled decay, applied
-  after an update that had none."""
-
-  def init(params):
-    del params
-    return DecayState(count=jnp.zeros((), jnp.int32))
-
-  def update(updates, state, params):
-    lr = schedule(state.count)
-    updates = jax.tree.map(lambda u, p, m: (u - lr * rate * p).astype(u.dtype) if m else u,
-                           updates, params, mask)
-    return updates, DecayState(count=optax.safe_increment(state.count))
-
-  return optax.GradientTransformation(init, update)
 
 
 def dict_to_cfg(cfg_opt, **overrides):
