@@ -66,7 +66,7 @@ SECTION = "Training step"
 LONG_SECTION = "Training step at 1M tokens"
 COMPONENTS_SECTION = "Training step components"
 LONG_SEQ = 1 << 20
-LONG_MOE_CHUNK = 1 << 17
+LONG_CHUNK = 1 << 17  # tokens per pass of the MoE experts, dense FFNs and KDA layers at T=1M
 _START = time.perf_counter()
 
 
@@ -196,6 +196,13 @@ def time_steps(config, batch, steps: int, mesh) -> dict:
 
 def _time_steps(step, state, batch, steps, optimizer) -> dict:
   t0 = time.perf_counter()
+  step = step.lower(state, batch).compile()
+  # XLA's own plan, known before anything runs: what a step that fails for memory asked for.
+  memory = step.memory_analysis()
+  if memory is not None:
+    gib = lambda n: f"{n / 2**30:.1f} GiB"
+    log(f"compiled in {time.perf_counter() - t0:.0f} s; XLA's buffers: temporaries "
+        f"{gib(memory.temp_size_in_bytes)}, arguments {gib(memory.argument_size_in_bytes)}")
   state, metrics = step(state, batch)
   jax.block_until_ready(metrics)
   compile_s = time.perf_counter() - t0
@@ -247,7 +254,8 @@ def component_times(config, batch, state, optimizer) -> list[tuple[str, int, flo
     layer("MoE layer", MoE(m), sum(f == "moe" for _, f in kinds), mutable=("router",))
   if any(f == "dense" for _, f in kinds):
     layer("dense FFN", SiTUGLU(m.ffn.hidden_dim, m.ffn.situ_b1, m.ffn.situ_b2, dtype=dtype,
-                               param_dtype=jnp.dtype(m.param_dtype)), sum(f == "dense" for _, f in kinds))
+                               param_dtype=jnp.dtype(m.param_dtype), token_chunk=m.ffn.token_chunk),
+          sum(f == "dense" for _, f in kinds))
 
   head = state.params["embedding"].T if m.tie_embeddings else state.params["head"]
 
@@ -267,7 +275,10 @@ def run_long(args) -> dict:
   config = load_config(args.config, args.set, args.smoke)
   config.model.remat = "full"
   # As experiments/1m.py: the routed experts over 128K tokens at a time, unless the config chose.
-  config.model.moe.token_chunk = config.model.moe.token_chunk or min(args.long_seq, LONG_MOE_CHUNK)
+  m, chunk = config.model, min(args.long_seq, LONG_CHUNK)
+  m.moe.token_chunk = m.moe.token_chunk or chunk
+  m.ffn.token_chunk = m.ffn.token_chunk or chunk
+  m.kda.seq_chunk = m.kda.seq_chunk or chunk
   # QK-clip's max-logit pass is a blockwise O(T^2) loop outside the fused kernel: off here, and said so.
   config.optim.qk_clip_tau = 0.0
   config.train.stages = ((args.long_seq, 3, args.long_seq),)
@@ -276,7 +287,8 @@ def run_long(args) -> dict:
   r = time_steps(config, batch, steps=1, mesh=make_mesh({}))
   mla = GatedMLA(ml_collections.FrozenConfigDict(config.model))
   return {"seq_len": args.long_seq, "step_s": r["step_s"], "compile_s": r["compile_s"], "loss": r["loss"],
-          "peak_bytes": peak_memory_bytes(), "moe_chunk": config.model.moe.token_chunk,
+          "peak_bytes": peak_memory_bytes(), "moe_chunk": m.moe.token_chunk,
+          "ffn_chunk": m.ffn.token_chunk, "kda_chunk": m.kda.seq_chunk,
           "mla_attention": mla.implementation(packed=True)}
 
 
@@ -386,7 +398,8 @@ def bench_long(args) -> list[str]:
     return [f"One step at T={args.long_seq:,} with remat: **failed** (exit {returncode}): `{last}`"]
   r = json.loads(out[0][len("LONG "):])
   mem = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f} GiB"
-  text = (f"One step at T={r['seq_len']:,} (one row, remat full, MoE over {r['moe_chunk']:,}-token chunks, "
+  text = (f"One step at T={r['seq_len']:,} (one row, remat full, routed experts, dense FFNs and KDA layers "
+          f"over {r['moe_chunk']:,}, {r['ffn_chunk']:,} and {r['kda_chunk']:,}-token pieces, "
           f"MLA attention `{r['mla_attention']}`, "
           f"QK-clip off): {r['step_s']:.1f} s, peak memory {mem}, compile {r['compile_s']:.0f} s, "
           f"loss {r['loss']:.3f}.")

@@ -54,6 +54,9 @@ def base_config() -> ml_collections.ConfigDict:
   k.gate_lower_bound = -5.0
   k.gate_rank = 16  # low-rank width of the decay-gate and output-gate projections
   k.chunk_size = 64
+  # Tokens per pass of the whole KDA layer over a row (0: the row at once). The recurrent state and
+  # the conv history carry over between passes, each rematerialised; must divide T. For very long rows.
+  k.seq_chunk = 0
   k.implementation = ml_collections.FieldReference(None, field_type=str)
 
   a = m.mla = ml_collections.ConfigDict()
@@ -74,6 +77,9 @@ def base_config() -> ml_collections.ConfigDict:
   f.hidden_dim = 128  # dense SiTU-GLU width
   f.situ_b1 = 4.0
   f.situ_b2 = 25.0
+  # Tokens per pass of the dense SiTU-GLUs (the dense layers' FFN and the MoE's shared experts; 0: all
+  # at once), each pass rematerialised; must divide the tokens of a row batch. For very long rows.
+  f.token_chunk = 0
 
   e = m.moe = ml_collections.ConfigDict()
   e.num_experts = 8
@@ -200,6 +206,10 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   need(k.implementation in KDA_IMPLEMENTATIONS,
        f"model.kda.implementation={k.implementation!r} not in {KDA_IMPLEMENTATIONS}")
   need(k.conv_size >= 1, "model.kda.conv_size must be >= 1")
+  need(isinstance(k.seq_chunk, int) and k.seq_chunk >= 0 and k.seq_chunk % k.chunk_size == 0
+       and (k.seq_chunk == 0 or k.seq_chunk >= k.conv_size),
+       f"model.kda.seq_chunk={k.seq_chunk!r} must be 0 (off) or a positive multiple of "
+       f"model.kda.chunk_size={k.chunk_size}")
 
   need(m.mla.attention in MLA_ATTENTIONS, f"model.mla.attention={m.mla.attention!r} not in {MLA_ATTENTIONS}")
   r = m.attnres
@@ -217,6 +227,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
   f = m.ffn
   need(f.situ_b1 > 0 and f.situ_b2 > 0, "model.ffn.situ_b1 and situ_b2 must be positive")
+  need(isinstance(f.token_chunk, int) and f.token_chunk >= 0,
+       f"model.ffn.token_chunk must be an integer >= 0 (0: no chunking), got {f.token_chunk!r}")
 
   e = m.moe
   if m.num_dense_layers < m.num_layers:

@@ -128,7 +128,7 @@ class DecoderLayer(nn.Module):
       ffn = MoE(cfg, name="moe")
     else:
       ffn = SiTUGLU(cfg.ffn.hidden_dim, cfg.ffn.situ_b1, cfg.ffn.situ_b2, dtype=dtype, param_dtype=pdtype,
-                    name="ffn")
+                    token_chunk=cfg.ffn.token_chunk, name="ffn")
     return (("mixer", mixer), ("ffn", ffn))
 
   @nn.compact

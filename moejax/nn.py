@@ -72,13 +72,18 @@ class Dense(nn.Module):
     features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
     init = self.kernel_init or kernel_init(1, 1 + len(features))
     w = logical_param(self, "kernel", init, (x.shape[-1], *features), self.axes, self.param_dtype)
-    w = w.reshape(x.shape[-1], -1).astype(self.dtype)
-    y = jnp.dot(x.astype(self.dtype), w, preferred_element_type=jnp.float32)
-    y = y.reshape(*x.shape[:-1], *features)
+    y = dense_apply(w, x, self.dtype, out_dtype=jnp.float32)
     if self.use_bias:
       b = logical_param(self, "bias", nn.initializers.zeros, features, self.axes[1:], self.param_dtype)
       y = y + b
     return y.astype(self.dtype)
+
+
+def dense_apply(w, x, dtype, out_dtype=None):
+  """x @ w over x's last axis, w [in, *features]: operands in `dtype`, float32 accumulation, the
+  result in out_dtype (default dtype). Dense's math, for code that holds the kernel itself."""
+  y = jnp.dot(x.astype(dtype), w.reshape(w.shape[0], -1).astype(dtype), preferred_element_type=jnp.float32)
+  return y.reshape(*x.shape[:-1], *w.shape[1:]).astype(out_dtype or dtype)
 
 
 def rms_norm(x, scale=None, eps: float = 1e-6):

@@ -1,8 +1,11 @@
 """SiTU-GLU bounds and the chunked cross-entropy against a direct float64 computation."""
 
+import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,6 +47,31 @@ def test_dense_situ_glu_matches_numpy():
   sig = 1 / (1 + np.exp(-g))
   ref = ((4 * np.tanh(g / 4) * sig) * (25 * np.tanh(u / 25))) @ w["down"]
   np.testing.assert_allclose(np.asarray(module.apply(params, x)), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [5, 10, 20])
+def test_dense_situ_glu_in_token_chunks_equals_one_pass(chunk):
+  """token_chunk: same params, same output and gradients (x and every kernel), bf16 and float32;
+  boxed or plain params alike. 20 = all 2x10 tokens at once, so it takes the one-pass path."""
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(2, 10, 8)), jnp.float32)
+  r = jnp.asarray(rng.normal(size=(2, 10, 8)), jnp.float32)
+  for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)):
+    whole = SiTUGLU(hidden_dim=16, dtype=dtype)
+    pieces = SiTUGLU(hidden_dim=16, dtype=dtype, token_chunk=chunk)
+    boxed = whole.init(jax.random.key(0), x)
+    chex.assert_trees_all_equal_structs(boxed, pieces.init(jax.random.key(0), x))
+    params = nn.unbox(boxed)
+
+    def value_and_grads(module, p):
+      loss = lambda p, x: jnp.sum(module.apply(p, x).astype(jnp.float32) * r)
+      return jax.jit(jax.value_and_grad(loss, (0, 1)))(p, x)
+
+    want = value_and_grads(whole, params)
+    chex.assert_trees_all_close(value_and_grads(pieces, params), want, rtol=tol, atol=tol)
+    chex.assert_trees_all_close(value_and_grads(pieces, boxed)[0], want[0], rtol=tol, atol=tol)
+  with pytest.raises(ValueError, match="token_chunk=3 does not divide the 20 tokens"):
+    SiTUGLU(hidden_dim=16, token_chunk=3).apply(params, x)
 
 
 def _reference_ce(h, w, targets, mask, z_weight):

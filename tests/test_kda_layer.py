@@ -271,3 +271,49 @@ def test_bad_inputs_raise():
     APPLY(PARAMS, X, jnp.zeros((B, T - 1), jnp.int32))
   with pytest.raises(ValueError, match="integer"):
     APPLY(PARAMS, X, jnp.zeros((B, T), jnp.float32))
+
+
+# Rows of 48 tokens in pieces of 16: documents that cross a piece boundary, one that starts exactly on
+# one (16), and one of two tokens across the next (31-32), shorter than the conv's reach.
+PIECE_SEG = np.array([[0] * 10 + [1] * 6 + [2] * 20 + [3] * 12,
+                      [4] * 31 + [1] * 2 + [4] * 15], np.int32)
+
+
+@pytest.mark.parametrize("implementation, seg", [
+    ("xla", PIECE_SEG), ("xla", None), ("xla", "random"), ("interpret", PIECE_SEG)])
+def test_layer_in_pieces_equals_whole_row(implementation, seg):
+  """seq_chunk: the state, the conv history and the document boundaries carry across pieces, so the
+  output, the sown gate and every gradient equal the whole-row layer's."""
+  rng = np.random.default_rng(7)
+  x = jnp.asarray(rng.standard_normal((B, 48, CFG.d_model)), jnp.float32)
+  if isinstance(seg, str):
+    seg = np.cumsum(rng.random((B, 48)) < 0.15, axis=1).astype(np.int32)
+  seg = None if seg is None else jnp.asarray(seg)
+  r = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+
+  def run(seq_chunk):
+    layer = KDA(make_cfg(implementation=implementation, seq_chunk=seq_chunk))
+
+    def loss(p, x):
+      y, inter = layer.apply({"params": p}, x, seg, mutable=["intermediates"])
+      return jnp.sum(y * r), (y, inter["intermediates"]["g"][0])
+
+    return jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(PARAMS, x)
+
+  (_, (y_whole, g_whole)), grads_whole = run(0)
+  (_, (y_pieces, g_pieces)), grads_pieces = run(16)
+  np.testing.assert_allclose(np.asarray(y_pieces), np.asarray(y_whole), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(g_pieces), np.asarray(g_whole), rtol=1e-6, atol=1e-6)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_whole), jax.tree.leaves(grads_pieces),
+                          strict=True):
+    a, b = np.asarray(a), np.asarray(b)
+    # float32 sums over the row in another order (A_log's gradient sums every token): 1e-4 of the scale
+    assert np.max(np.abs(a - b)) <= 1e-4 * np.max(np.abs(a)) + 1e-6, jax.tree_util.keystr(path)
+
+
+def test_layer_in_pieces_checks_the_row_length():
+  layer = KDA(make_cfg(seq_chunk=32))
+  with pytest.raises(ValueError, match="seq_chunk=32 does not divide"):
+    layer.apply({"params": PARAMS}, jnp.zeros((1, 48, CFG.d_model)))
+  with pytest.raises(ValueError, match="seq_chunk"):
+    make_cfg(seq_chunk=24)  # not a multiple of chunk_size 16

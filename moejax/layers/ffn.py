@@ -1,10 +1,12 @@
 """SiTU-GLU: the bounded gated activation, and the dense FFN built on it (DESIGN §5)."""
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moejax.nn import Dense
+from moejax.nn import Dense, dense_apply
 
 
 def situ_glu(gate, up, b1: float = 4.0, b2: float = 25.0):
@@ -19,20 +21,42 @@ def situ_glu(gate, up, b1: float = 4.0, b2: float = 25.0):
 
 
 class SiTUGLU(nn.Module):
-  """Dense FFN: W_d situ_glu(W_g x, W_u x)."""
+  """Dense FFN: W_d situ_glu(W_g x, W_u x).
+
+  token_chunk > 0: the tokens (B*T of them, which it must divide) go through in passes of that many,
+  each rematerialised in the backward pass, so one pass's [token_chunk, hidden_dim] activations are
+  live at a time instead of the whole row's; the result is the same function.
+  """
 
   hidden_dim: int
   b1: float = 4.0
   b2: float = 25.0
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
+  token_chunk: int = 0
 
   @nn.compact
   def __call__(self, x_BTD, segment_ids_BT=None):
     del segment_ids_BT  # position-wise: documents cannot mix here
-    dense = lambda f, axes, name: Dense(f, axes, dtype=self.dtype, param_dtype=self.param_dtype,
-                                        name=name)
-    gate_BTF = dense(self.hidden_dim, ("embed", "mlp"), "gate")(x_BTD)
-    up_BTF = dense(self.hidden_dim, ("embed", "mlp"), "up")(x_BTD)
-    h_BTF = situ_glu(gate_BTF, up_BTF, self.b1, self.b2)
-    return dense(x_BTD.shape[-1], ("mlp", "embed"), "down")(h_BTF)
+    tokens = math.prod(x_BTD.shape[:-1])
+    chunk = self.token_chunk
+    if not chunk or tokens <= chunk or self.is_initializing():
+      dense = lambda f, axes, name: Dense(f, axes, dtype=self.dtype, param_dtype=self.param_dtype,
+                                          name=name)
+      gate_BTF = dense(self.hidden_dim, ("embed", "mlp"), "gate")(x_BTD)
+      up_BTF = dense(self.hidden_dim, ("embed", "mlp"), "up")(x_BTD)
+      h_BTF = situ_glu(gate_BTF, up_BTF, self.b1, self.b2)
+      return dense(x_BTD.shape[-1], ("mlp", "embed"), "down")(h_BTF)
+    if tokens % chunk:
+      raise ValueError(f"ffn token_chunk={chunk} does not divide the {tokens} tokens of x {x_BTD.shape}")
+    # The same params the unchunked path creates (gate/up/down "kernel"), used directly.
+    w = {name: nn.meta.unbox(self.variables["params"][name]["kernel"]) for name in ("gate", "up", "down")}
+
+    @jax.checkpoint
+    def one(x_CD):
+      h_CF = situ_glu(dense_apply(w["gate"], x_CD, self.dtype), dense_apply(w["up"], x_CD, self.dtype),
+                      self.b1, self.b2)
+      return dense_apply(w["down"], h_CF, self.dtype)
+
+    y_NCD = jax.lax.map(one, x_BTD.reshape(tokens // chunk, chunk, x_BTD.shape[-1]))
+    return y_NCD.reshape(x_BTD.shape[:-1] + y_NCD.shape[-1:])

@@ -8,6 +8,8 @@
 The recurrence itself lives in pallas_kernels.kda; this file only builds its inputs and output.
 """
 
+from typing import NamedTuple
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -53,63 +55,155 @@ def a_log_init(key, shape, dtype=jnp.float32):
 conv_init = nn.initializers.variance_scaling(1.0, "fan_in", "uniform", in_axis=0, out_axis=(1, 2))
 
 
+class KDACarry(NamedTuple):
+  """What one pass over a piece of the row hands the next (`KDA.seq_chunk`): the recurrent state, the
+  last conv_size - 1 pre-convolution q/k/v projections (the short convolution's history), and their
+  document ids."""
+  state_BHKV: jax.Array  # float32
+  tails: dict  # {"q", "k", "v"}: [B, W-1, H, K or V]
+  tail_doc_BW: jax.Array  # int32 [B, W-1]; -1 before the row starts
+
+  @classmethod
+  def empty(cls, B, H, K, V, W, dtype):
+    tail = lambda width: jnp.zeros((B, W - 1, H, width), dtype)
+    return cls(jnp.zeros((B, H, K, V), jnp.float32), {"q": tail(K), "k": tail(K), "v": tail(V)},
+               jnp.full((B, W - 1), -1, jnp.int32))
+
+
 class KDA(nn.Module):
   """KDA mixer: __call__(x_BTD, segment_ids_BT=None) -> y_BTD. Sows the log-decay g as
-  intermediates/"g" (float32 [B,T,H,K]) for inspection."""
+  intermediates/"g" (float32 [B,T,H,K]) for inspection.
+
+  With cfg.kda.seq_chunk > 0 (it must divide T), the layer runs over the row in pieces of that many
+  tokens, one after another, handing on the recurrent state and the convolution's history, each piece
+  rematerialised in the backward pass: the same function, with one piece's activations live at a time
+  instead of the row's (what bounds the layer's memory at T = 1M).
+  """
 
   cfg: ml_collections.FrozenConfigDict
+
+  def _params(self) -> dict:
+    c, kc = self.cfg, self.cfg.kda
+    D, H, K, V, R, W = c.d_model, kc.num_heads, kc.head_k_dim, kc.head_v_dim, kc.gate_rank, kc.conv_size
+    pdt = jnp.dtype(c.param_dtype)
+    p = {}
+
+    def param(name, shape, axes, init=None):
+      init = kernel_init(1, len(shape)) if init is None else init
+      p[name] = logical_param(self, name, init, shape, axes, pdt)
+
+    for name, width in (("q", K), ("k", K), ("v", V)):
+      param(f"w_{name}", (D, H, width), ("embed", "heads", "kv"))
+      param(f"conv_{name}", (W, H, width), ("conv", "heads", "kv"), conv_init)
+    param("w_beta", (D, H), ("embed", "heads"))
+    param("w_decay_a", (D, R), ("embed", "rank"))
+    param("w_decay_b", (R, H, K), ("rank", "heads", "kv"))
+    param("A_log", (H,), ("heads",), a_log_init)
+    param("dt_bias", (H, K), ("heads", "kv"), nn.initializers.zeros)
+    # One learned scale over head_v_dim, shared by the heads.
+    param("o_norm_scale", (V,), ("norm",), nn.initializers.ones)
+    param("w_gate_a", (D, R), ("embed", "rank"))
+    param("w_gate_b", (R, H, V), ("rank", "heads", "kv"))
+    param("gate_bias", (H, V), ("heads", "kv"), nn.initializers.zeros)
+    param("w_o", (H, V, D), ("heads", "kv", "embed"), kernel_init(2, 3))
+    return p
 
   @nn.compact
   def __call__(self, x_BTD, segment_ids_BT=None):
     c, kc = self.cfg, self.cfg.kda
     check_input(x_BTD, c.d_model, "KDA")
-    lb = check_lower_bound(kc.gate_lower_bound)
-    B, T, D = x_BTD.shape
-    H, K, V, R, W = kc.num_heads, kc.head_k_dim, kc.head_v_dim, kc.gate_rank, kc.conv_size
-    dtype, pdt = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-
-    def param(name, shape, axes, init=None):
-      init = kernel_init(1, len(shape)) if init is None else init
-      return logical_param(self, name, init, shape, axes, pdt)
-
+    check_lower_bound(kc.gate_lower_bound)
+    B, T, _ = x_BTD.shape
+    p = self._params()
     doc_BT = None
     if segment_ids_BT is not None:
       check_segment_ids(segment_ids_BT, B, T)
       doc_BT = document_ids(segment_ids_BT)
-    x_BTD = x_BTD.astype(dtype)
+    x_BTD = x_BTD.astype(jnp.dtype(c.dtype))
+    want_g = self.is_mutable_collection("intermediates")
+    piece = kc.seq_chunk
+    if not piece or T <= piece:
+      y_BTD, g_BTHK, _ = kda_mixer(p, c, x_BTD, doc_BT)
+    else:
+      y_BTD, g_BTHK = self._in_pieces(p, x_BTD, doc_BT, piece, want_g)
+    if want_g:
+      self.sow("intermediates", "g", g_BTHK)
+    return y_BTD
 
-    def conv_branch(name, width):
-      w = param(f"w_{name}", (D, H, width), ("embed", "heads", "kv"))
-      w_conv = param(f"conv_{name}", (W, H, width), ("conv", "heads", "kv"), conv_init)
-      return jax.nn.silu(short_conv(matmul("btd,dhk->bthk", x_BTD, w, dtype), w_conv, doc_BT)
-                         .astype(jnp.float32))
+  def _in_pieces(self, p, x_BTD, doc_BT, piece: int, want_g: bool):
+    c, kc = self.cfg, self.cfg.kda
+    B, T, D = x_BTD.shape
+    if T % piece:
+      raise ValueError(f"model.kda.seq_chunk={piece} does not divide the row length T={T}")
+    n = T // piece
+    if doc_BT is None:
+      doc_BT = jnp.zeros((B, T), jnp.int32)
+    split = lambda a: jnp.moveaxis(a.reshape(B, n, piece, *a.shape[2:]), 1, 0)
+    merge = lambda a: jnp.moveaxis(a, 0, 1).reshape(B, T, *a.shape[3:])
 
-    q_BTHK = l2_normalize(conv_branch("q", K), c.norm_eps).astype(dtype)
-    k_BTHK = l2_normalize(conv_branch("k", K), c.norm_eps).astype(dtype)
-    v_BTHV = conv_branch("v", V).astype(dtype)
+    @jax.checkpoint
+    def one(carry, x_BCD, doc_BC):
+      y_BCD, g_BCHK, carry = kda_mixer(p, c, x_BCD, doc_BC, carry)
+      return y_BCD, (g_BCHK if want_g else None), carry
 
-    w_beta = param("w_beta", (D, H), ("embed", "heads"))
-    beta_BTH = jax.nn.sigmoid(matmul("btd,dh->bth", x_BTD, w_beta, dtype).astype(jnp.float32))
+    def body(carry, xs):
+      y, g, carry = one(carry, *xs)
+      return carry, (y, g)
 
-    z_BTR = matmul("btd,dr->btr", x_BTD, param("w_decay_a", (D, R), ("embed", "rank")), dtype)
-    z_BTHK = matmul("btr,rhk->bthk", z_BTR, param("w_decay_b", (R, H, K), ("rank", "heads", "kv")),
-                    dtype)
-    A_log_H = param("A_log", (H,), ("heads",), a_log_init)
-    dt_bias_HK = param("dt_bias", (H, K), ("heads", "kv"), nn.initializers.zeros)
-    g_BTHK = bounded_decay(z_BTHK, A_log_H, dt_bias_HK, lb)
-    self.sow("intermediates", "g", g_BTHK)
+    carry = KDACarry.empty(B, kc.num_heads, kc.head_k_dim, kc.head_v_dim, kc.conv_size, x_BTD.dtype)
+    _, (y_NBCD, g_NBCHK) = jax.lax.scan(body, carry, (split(x_BTD), split(doc_BT)))
+    return merge(y_NBCD), (merge(g_NBCHK) if want_g else None)
 
-    o_BTHV, _ = chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale=K ** -0.5,
-                          segment_ids=doc_BT, chunk_size=kc.chunk_size,
-                          implementation=kc.implementation)
 
-    # One learned scale over head_v_dim, shared by the heads.
-    o_scale = param("o_norm_scale", (V,), ("norm",), nn.initializers.ones)
-    o_BTHV = rms_norm(o_BTHV, o_scale, c.norm_eps)
-    u_BTR = matmul("btd,dr->btr", x_BTD, param("w_gate_a", (D, R), ("embed", "rank")), dtype)
-    u_BTHV = matmul("btr,rhv->bthv", u_BTR, param("w_gate_b", (R, H, V), ("rank", "heads", "kv")),
-                    dtype)
-    gate_bias = param("gate_bias", (H, V), ("heads", "kv"), nn.initializers.zeros)
-    gate_BTHV = jax.nn.sigmoid(u_BTHV.astype(jnp.float32) + gate_bias.astype(jnp.float32))
-    w_o = param("w_o", (H, V, D), ("heads", "kv", "embed"), kernel_init(2, 3))
-    return matmul("bthv,hvd->btd", (o_BTHV * gate_BTHV).astype(dtype), w_o, dtype)
+def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
+  """The KDA mixer on x [B,T,D] with params p: (y_BTD, g_BTHK, carry after the last position).
+
+  carry=None: the row starts here (nothing before position 0). Otherwise the row continues one that
+  ended in `carry`; then doc_BT is required and holds document ids comparable with the carry's.
+  """
+  kc, dtype = c.kda, jnp.dtype(c.dtype)
+  K = kc.head_k_dim
+  lb = check_lower_bound(kc.gate_lower_bound)
+
+  def conv_branch(name):
+    pre_BTHK = matmul("btd,dhk->bthk", x_BTD, p[f"w_{name}"], dtype)
+    if carry is None:
+      y = short_conv(pre_BTHK, p[f"conv_{name}"], doc_BT)
+    else:  # the convolution reaches back into the previous piece's last W-1 tokens
+      ext = jnp.concatenate([carry.tails[name].astype(pre_BTHK.dtype), pre_BTHK], axis=1)
+      y = short_conv(ext, p[f"conv_{name}"], jnp.concatenate([carry.tail_doc_BW, doc_BT], axis=1))
+      y = y[:, carry.tail_doc_BW.shape[1]:]
+    return jax.nn.silu(y.astype(jnp.float32)), pre_BTHK
+
+  (q_BTHK, q_pre), (k_BTHK, k_pre), (v_BTHV, v_pre) = (conv_branch(n) for n in ("q", "k", "v"))
+  q_BTHK = l2_normalize(q_BTHK, c.norm_eps).astype(dtype)
+  k_BTHK = l2_normalize(k_BTHK, c.norm_eps).astype(dtype)
+  v_BTHV = v_BTHV.astype(dtype)
+  beta_BTH = jax.nn.sigmoid(matmul("btd,dh->bth", x_BTD, p["w_beta"], dtype).astype(jnp.float32))
+  z_BTR = matmul("btd,dr->btr", x_BTD, p["w_decay_a"], dtype)
+  z_BTHK = matmul("btr,rhk->bthk", z_BTR, p["w_decay_b"], dtype)
+  g_BTHK = bounded_decay(z_BTHK, p["A_log"], p["dt_bias"], lb)
+
+  state_in = None
+  if carry is not None:
+    # The state carries over only while the previous piece's last document goes on.
+    same_B = doc_BT[:, 0] == carry.tail_doc_BW[:, -1]
+    state_in = jnp.where(same_B[:, None, None, None], carry.state_BHKV, 0.0)
+  o_BTHV, state_out = chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale=K ** -0.5,
+                                initial_state=state_in, output_final_state=carry is not None,
+                                segment_ids=doc_BT, chunk_size=kc.chunk_size,
+                                implementation=kc.implementation)
+
+  o_BTHV = rms_norm(o_BTHV, p["o_norm_scale"], c.norm_eps)
+  u_BTR = matmul("btd,dr->btr", x_BTD, p["w_gate_a"], dtype)
+  u_BTHV = matmul("btr,rhv->bthv", u_BTR, p["w_gate_b"], dtype)
+  gate_BTHV = jax.nn.sigmoid(u_BTHV.astype(jnp.float32) + p["gate_bias"].astype(jnp.float32))
+  y_BTD = matmul("bthv,hvd->btd", (o_BTHV * gate_BTHV).astype(dtype), p["w_o"], dtype)
+  if carry is None:
+    return y_BTD, g_BTHK, None
+  w = carry.tail_doc_BW.shape[1]
+  tail = lambda pre, name: jnp.concatenate([carry.tails[name].astype(pre.dtype), pre], axis=1)[:, -w:] \
+      if w else carry.tails[name]
+  new = KDACarry(state_out, {"q": tail(q_pre, "q"), "k": tail(k_pre, "k"), "v": tail(v_pre, "v")},
+                 jnp.concatenate([carry.tail_doc_BW, doc_BT], axis=1)[:, -w:] if w else carry.tail_doc_BW)
+  return y_BTD, g_BTHK, new

@@ -149,7 +149,8 @@ class MoE(nn.Module):
     y_BTD = jnp.zeros(x_BTD.shape, jnp.float32)
     for i in range(e.num_shared):
       y_BTD = y_BTD + SiTUGLU(e.shared_hidden_dim, cfg.ffn.situ_b1, cfg.ffn.situ_b2, dtype=dtype,
-                              param_dtype=jnp.dtype(cfg.param_dtype), name=f"shared_{i}")(x_BTD)
+                              param_dtype=jnp.dtype(cfg.param_dtype), token_chunk=cfg.ffn.token_chunk,
+                              name=f"shared_{i}")(x_BTD)
 
     w = self._weights()
     if segment_ids_BT is None:
