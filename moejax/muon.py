@@ -43,30 +43,57 @@ def _axes(x, dims: MuonDimensionNumbers) -> tuple[tuple[int, ...], tuple[int, ..
   return tuple(a for a in range(x.ndim) if a not in red + out), red, out
 
 
-def newton_schulz(x_BMN: jax.Array, steps: int = NS_STEPS, eps: float = 1e-8) -> jax.Array:
-  """The quintic iteration on a batch of matrices, in x's dtype; the result is ~U V^T of each."""
-  transpose = x_BMN.shape[1] > x_BMN.shape[2]
+def newton_schulz(x_MN: jax.Array, steps: int = NS_STEPS, eps: float = 1e-8) -> jax.Array:
+  """The quintic iteration on the trailing [M, N] matrices of x (any leading batch axes), in x's
+  dtype; the result is ~U V^T of each."""
+  transpose = x_MN.shape[-2] > x_MN.shape[-1]
   if transpose:  # iterate on the short side: X X^T is m x m
-    x_BMN = jnp.swapaxes(x_BMN, 1, 2)
-  norm_B = jnp.sqrt(jnp.sum(jnp.square(x_BMN.astype(jnp.float32)), axis=(1, 2), keepdims=True))
-  x_BMN = (x_BMN.astype(jnp.float32) / (norm_B + eps)).astype(x_BMN.dtype)
+    x_MN = jnp.swapaxes(x_MN, -2, -1)
+  norm = jnp.sqrt(jnp.sum(jnp.square(x_MN.astype(jnp.float32)), axis=(-2, -1), keepdims=True))
+  x_MN = (x_MN.astype(jnp.float32) / (norm + eps)).astype(x_MN.dtype)
   a, b, c = NS_COEFFS
   for _ in range(steps):
-    s_BMM = jnp.einsum("bmn,bkn->bmk", x_BMN, x_BMN)
-    p_BMM = b * s_BMM + c * jnp.einsum("bmk,bkj->bmj", s_BMM, s_BMM)
-    x_BMN = a * x_BMN + jnp.einsum("bmk,bkn->bmn", p_BMM, x_BMN)
-  return jnp.swapaxes(x_BMN, 1, 2) if transpose else x_BMN
+    s_MM = jnp.einsum("...mn,...kn->...mk", x_MN, x_MN)
+    p_MM = b * s_MM + c * jnp.einsum("...mk,...kj->...mj", s_MM, s_MM)
+    x_MN = a * x_MN + jnp.einsum("...mk,...kn->...mn", p_MM, x_MN)
+  return jnp.swapaxes(x_MN, -2, -1) if transpose else x_MN
 
 
 def orthogonalise(x: jax.Array, dims: MuonDimensionNumbers, ns_dtype, steps: int = NS_STEPS) -> jax.Array:
-  """NewtonSchulz5 of each matrix of x (float32) in ns_dtype, returned float32 in x's layout."""
+  """NewtonSchulz5 of each matrix of x (float32) in ns_dtype, returned float32 in x's layout. The batch
+  axes stay separate axes (not merged), so a sharded one (experts) stays sharded as it was."""
   batch, red, out = _axes(x, dims)
   order = batch + red + out
   size = lambda axes: math.prod(x.shape[a] for a in axes)
-  x_BMN = jnp.transpose(x, order).reshape(size(batch), size(red), size(out))
-  o_BMN = newton_schulz(x_BMN.astype(ns_dtype), steps).astype(jnp.float32)
-  o = o_BMN.reshape(tuple(x.shape[a] for a in order))
+  x_MN = jnp.transpose(x, order).reshape(*(x.shape[a] for a in batch), size(red), size(out))
+  o_MN = newton_schulz(x_MN.astype(ns_dtype), steps).astype(jnp.float32)
+  o = o_MN.reshape(tuple(x.shape[a] for a in order))
   return jnp.transpose(o, tuple(order.index(a) for a in range(x.ndim)))
+
+
+def orthogonalise_many(xs: list, dims: list, ns_dtype, steps: int = NS_STEPS,
+                       keys: list | None = None) -> list:
+  """`orthogonalise` of each array, with the arrays of equal shape, dimension numbers and key (e.g.
+  their logical axes, hence their sharding) stacked on a new leading axis and iterated together: one
+  Newton-Schulz per group of like matrices (the same projection in every layer) instead of one per
+  array, whose small matmuls would otherwise each pay a kernel's fixed cost. Per matrix, the same
+  arithmetic."""
+  groups: dict = {}
+  for i, (x, d) in enumerate(zip(xs, dims, strict=True)):
+    key = (tuple(x.shape), jnp.dtype(x.dtype).name, _axes(x, d), None if keys is None else keys[i])
+    groups.setdefault(key, []).append(i)
+  out = [None] * len(xs)
+  for (_, _, (_, red, outs), _), idx in groups.items():
+    if len(idx) == 1:
+      out[idx[0]] = orthogonalise(xs[idx[0]], dims[idx[0]], ns_dtype, steps)
+      continue
+    # The new leading axis is one more batch axis.
+    shifted = MuonDimensionNumbers(reduction_axis=tuple(a + 1 for a in red),
+                                   output_axis=tuple(a + 1 for a in outs))
+    o = orthogonalise(jnp.stack([xs[i] for i in idx]), shifted, ns_dtype, steps)
+    for j, i in enumerate(idx):
+      out[i] = o[j]
+  return out
 
 
 def rms_scale(x: jax.Array, dims: MuonDimensionNumbers, consistent_rms: float) -> float:
@@ -76,10 +103,13 @@ def rms_scale(x: jax.Array, dims: MuonDimensionNumbers, consistent_rms: float) -
 
 
 def scale_by_muon(dimension_numbers, *, beta: float, consistent_rms: float, ns_dtype=jnp.bfloat16,
-                  ns_steps: int = NS_STEPS) -> optax.GradientTransformation:
+                  ns_steps: int = NS_STEPS, group_keys=None) -> optax.GradientTransformation:
   """dimension_numbers: a tree over the params of MuonDimensionNumbers, None where a parameter is
   not a matrix. Meant for the Muon side of optax.partition, which masks the other parameters out
-  (optax MaskedNode), so every parameter this sees must have dimension numbers."""
+  (optax MaskedNode), so every parameter this sees must have dimension numbers.
+
+  group_keys: an optional tree over the params of hashables (their logical axes): parameters of one
+  shape and key are orthogonalised together (`orthogonalise_many`). Without it nothing is grouped."""
   ns_dtype = jnp.dtype(ns_dtype)
   is_masked = lambda x: isinstance(x, optax.MaskedNode)
 
@@ -96,15 +126,20 @@ def scale_by_muon(dimension_numbers, *, beta: float, consistent_rms: float, ns_d
                           optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
                           optax.tree.bias_correction(g, beta, count))
 
-    def one(x, dims, u):
-      if is_masked(x):
-        return x
-      if dims is None:
-        raise ValueError(f"Muon got a parameter of shape {x.shape} without matrix dimension numbers")
-      o = orthogonalise(x, dims, ns_dtype, ns_steps)
-      return (o * rms_scale(x, dims, consistent_rms)).astype(u.dtype)
-
-    out = jax.tree.map(one, mu_hat, dimension_numbers, updates, is_leaf=is_masked)
-    return out, MuonState(count=count, mu=mu)
+    leaves, treedef = jax.tree.flatten(mu_hat, is_leaf=is_masked)
+    dims = treedef.flatten_up_to(dimension_numbers)
+    keys = treedef.flatten_up_to(group_keys) if group_keys is not None else [None] * len(leaves)
+    u_leaves = treedef.flatten_up_to(updates)
+    live = [i for i, x in enumerate(leaves) if not is_masked(x)]
+    for i in live:
+      if dims[i] is None:
+        raise ValueError(f"Muon got a parameter of shape {leaves[i].shape} without matrix dimension numbers")
+    grouped = keys if group_keys is not None else list(range(len(leaves)))  # distinct: no grouping
+    ortho = orthogonalise_many([leaves[i] for i in live], [dims[i] for i in live], ns_dtype, ns_steps,
+                               keys=[grouped[i] for i in live])
+    out = list(leaves)
+    for i, o in zip(live, ortho, strict=True):
+      out[i] = (o * rms_scale(leaves[i], dims[i], consistent_rms)).astype(u_leaves[i].dtype)
+    return jax.tree.unflatten(treedef, out), MuonState(count=count, mu=mu)
 
   return optax.GradientTransformation(init, update)

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import traverse_util
+from optax.contrib import MuonDimensionNumbers
 
 from moejax.config import base_config, validate
 from moejax.layers.mla import GatedMLA, max_logits
@@ -123,9 +124,12 @@ def test_muon_orthogonalises_each_expert_on_its_own():
 
 
 # Every layout Muon meets: plain matrices both ways round (the iteration transposes the tall one), an
-# expert batch, W_o contracting two axes, and scanned layers in front.
+# expert batch, W_o contracting two axes, and scanned layers in front. The "2" twins share shape and
+# axes with another parameter, so Muon orthogonalises them in one stacked group.
 _MUON_LAYOUTS = {
     "wide": (("embed", "mlp"), (24, 40)),
+    "wide2": (("embed", "mlp"), (24, 40)),
+    "experts2": (("expert", "latent", "mlp"), (3, 16, 24)),
     "tall": (("mlp", "embed"), (40, 24)),
     "experts": (("expert", "latent", "mlp"), (3, 16, 24)),
     "w_o": (("heads", "kv", "embed"), (4, 8, 20)),
@@ -340,3 +344,23 @@ def test_muon_train_step_with_qk_clip():
   schedules = {k: learning_rate_schedule(config.optim, 10) for k in ("lr", "adam_lr")}
   for k, f in schedules.items():
     assert float(metrics[k]) == pytest.approx(float(f(2)), rel=1e-6)
+
+
+def test_like_matrices_are_orthogonalised_as_one_group():
+  """orthogonalise_many stacks arrays of one shape, layout and key: one Newton-Schulz (5 steps x 3
+  matmuls) per group, the same result per matrix as alone; a different key keeps arrays apart."""
+  from moejax.muon import orthogonalise, orthogonalise_many
+
+  dims = [MuonDimensionNumbers(1, 2)] * 3 + [MuonDimensionNumbers(0, 1)]
+  xs = [jax.random.normal(jax.random.key(i), s) for i, s in enumerate([(2, 8, 12)] * 3 + [(12, 8)])]
+
+  def matmuls(keys):
+    jaxpr = jax.make_jaxpr(lambda xs: orthogonalise_many(xs, dims, jnp.float32, keys=keys))(xs)
+    return sum(e.primitive.name == "dot_general" for e in jaxpr.eqns)
+
+  assert matmuls(None) == 2 * 15  # the three [2, 8, 12] together, the [12, 8] alone
+  assert matmuls(["a", "a", "b", "a"]) == 3 * 15
+  for dtype in (jnp.float32, jnp.bfloat16):
+    got = orthogonalise_many(xs, dims, dtype)
+    want = [orthogonalise(x, d, dtype) for x, d in zip(xs, dims, strict=True)]
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
