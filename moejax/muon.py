@@ -13,6 +13,8 @@ tests/test_optim.py checks that with ns_dtype=float32 the update equals optax's.
 
 Each matrix is described by MuonDimensionNumbers (moejax.optim.matrix_axes): every axis that is
 neither a reduction nor an output axis (scanned layers, experts) indexes independent matrices.
+Parameters of one shape and logical axes (the same projection in every layer) are stacked and
+iterated as one batch (`orthogonalise_many`): fewer, larger matmuls, the same arithmetic per matrix.
 """
 
 import math
