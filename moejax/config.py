@@ -40,7 +40,9 @@ def base_config() -> ml_collections.ConfigDict:
   m.param_dtype = "float32"
   m.norm_eps = 1e-6
   m.tie_embeddings = False
-  m.remat = "none"  # "none" | "full": rematerialise each layer in the backward pass
+  # "none" | "dots" | "full": rematerialise nothing, all but the matmul outputs, or the whole of each
+  # layer in the backward pass
+  m.remat = "none"
   # Run the repeated layers as one scan (params stacked under "scanned"): compile time stops growing
   # with depth. See moejax.model.layer_layout for which layers it covers.
   m.scan_layers = False
@@ -172,7 +174,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(int(m[name]) > 0, f"model.{name} must be positive, got {m[name]}")
   need(m.dtype in ("float32", "bfloat16", "float16"), f"model.dtype {m.dtype!r} is not a float dtype")
   need(m.param_dtype in ("float32", "bfloat16"), f"model.param_dtype {m.param_dtype!r} unsupported")
-  need(m.remat in ("none", "full"), f"model.remat must be 'none' or 'full', got {m.remat!r}")
+  need(m.remat in ("none", "dots", "full"), f"model.remat must be 'none', 'dots' or 'full', got {m.remat!r}")
   need(isinstance(m.scan_layers, bool), f"model.scan_layers must be True or False, got {m.scan_layers!r}")
 
   pattern = m.layer_pattern

@@ -150,7 +150,14 @@ class DecoderLayer(nn.Module):
 
 
 def _layer_class(cfg):
-  return nn.remat(DecoderLayer) if cfg.remat == "full" else DecoderLayer
+  if cfg.remat == "full":
+    return nn.remat(DecoderLayer)
+  if cfg.remat == "dots":
+    # Matmul outputs are kept, the elementwise work between them is recomputed (custom-VJP kernels rerun
+    # their forward). Scanned layers need it most: a scan saves every residual of its body, where XLA
+    # fuses and recomputes the cheap ones of unrolled layers.
+    return nn.remat(DecoderLayer, policy=jax.checkpoint_policies.dots_saveable)
+  return DecoderLayer
 
 
 class LayerPeriod(nn.Module):

@@ -42,10 +42,11 @@ def _config(scan, *, num_layers, pattern, dense, block=4, mode="attnres", remat=
 
 # (name, settings, expected layout): an unrolled prefix and two periods; two periods between an unrolled
 # prefix and suffix, with rematerialised layers (layer 0 stays out: its mixer has no AttnRes query);
-# plain residuals from layer 0.
+# the first again with the matmul-saving remat policy; plain residuals from layer 0.
 CASES = [
     ("attnres", dict(num_layers=6, pattern="KM", dense=1, block=4), LayerLayout(2, 2, 2)),
     ("suffix", dict(num_layers=7, pattern="K", dense=0, block=4, remat="full"), LayerLayout(2, 2, 2)),
+    ("dots", dict(num_layers=6, pattern="KM", dense=1, block=4, remat="dots"), LayerLayout(2, 2, 2)),
     ("residual", dict(num_layers=4, pattern="KM", dense=0, mode="residual"), LayerLayout(0, 2, 2)),
 ]
 
