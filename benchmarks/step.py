@@ -29,7 +29,6 @@ is its own.
 import argparse
 import datetime
 import json
-import math
 import os
 import pathlib
 import subprocess
@@ -57,10 +56,10 @@ from moejax.layers.mla import GatedMLA  # noqa: E402
 from moejax.layers.moe import MoE  # noqa: E402
 from moejax.loss import cross_entropy  # noqa: E402
 from moejax.model import SCANNED, build_model, layer_kinds  # noqa: E402
-from moejax.muon import NS_STEPS  # noqa: E402
-from moejax.optim import matrix_axes  # noqa: E402
+from moejax.muon import NS_STEPS, matrix_sizes  # noqa: E402
+from moejax.optim import muon_dimension_numbers  # noqa: E402
 from moejax.parallel import mesh as meshlib  # noqa: E402
-from moejax.train_step import init_state, is_logical_axes, make_train_step, shard_state  # noqa: E402
+from moejax.train_step import init_state, make_train_step, shard_state  # noqa: E402
 
 SECTION = "Training step"
 LONG_SECTION = "Training step at 1M tokens"
@@ -148,13 +147,8 @@ def muon_matrices(config, params, axes) -> list[tuple[int, int, int]]:
   """(batch, reduction, output) sizes of every matrix Muon orthogonalises (none under AdamW)."""
   if config.optim.name != "muon":
     return []
-  out = []
-  for names, p in zip(jax.tree.leaves(axes, is_leaf=is_logical_axes), jax.tree.leaves(params), strict=True):
-    dims = matrix_axes(names)
-    if dims is not None:
-      red, outs = (math.prod(p.shape[i] for i in d) for d in dims)
-      out.append((p.size // (red * outs), red, outs))
-  return out
+  dims = jax.tree.leaves(muon_dimension_numbers(axes), is_leaf=lambda d: d is None or isinstance(d, tuple))
+  return [matrix_sizes(p, d) for p, d in zip(jax.tree.leaves(params), dims, strict=True) if d is not None]
 
 
 def peak_memory_bytes() -> float | None:

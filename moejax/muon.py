@@ -98,9 +98,14 @@ def orthogonalise_many(xs: list, dims: list, ns_dtype, steps: int = NS_STEPS,
   return out
 
 
+def matrix_sizes(x, dims: MuonDimensionNumbers) -> tuple[int, int, int]:
+  """(how many matrices, fan-in, fan-out) of a Muon parameter (an array or a ShapeDtypeStruct)."""
+  batch, red, out = _axes(x, dims)
+  return tuple(math.prod(x.shape[a] for a in axes) for axes in (batch, red, out))
+
+
 def rms_scale(x: jax.Array, dims: MuonDimensionNumbers, consistent_rms: float) -> float:
-  _, red, out = _axes(x, dims)
-  fan_in, fan_out = (math.prod(x.shape[a] for a in axes) for axes in (red, out))
+  _, fan_in, fan_out = matrix_sizes(x, dims)
   return consistent_rms * math.sqrt(max(fan_in, fan_out))
 
 

@@ -21,6 +21,7 @@ def layers_lead(names: Axes) -> int:
   """How many leading axes of a param with these logical names stack scanned layers: 1 or 0."""
   return 1 if names[:1] == (LAYERS_AXIS,) else 0
 
+
 def kernel_init(num_in_axes: int, ndim: int):
   """Fan-in init for a kernel whose first `num_in_axes` axes are contracted with the input.
 

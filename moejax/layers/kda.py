@@ -112,7 +112,6 @@ class KDA(nn.Module):
   def __call__(self, x_BTD, segment_ids_BT=None):
     c, kc = self.cfg, self.cfg.kda
     check_input(x_BTD, c.d_model, "KDA")
-    check_lower_bound(kc.gate_lower_bound)
     B, T, _ = x_BTD.shape
     p = self._params()
     doc_BT = None
@@ -164,18 +163,19 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
   kc, dtype = c.kda, jnp.dtype(c.dtype)
   K = kc.head_k_dim
   lb = check_lower_bound(kc.gate_lower_bound)
+  # With a carry, the convolution reaches back into the previous piece's last w = W-1 tokens: it runs
+  # over those and this piece, and the last w of that extended row are what the next piece needs.
+  w = 0 if carry is None else carry.tail_doc_BW.shape[1]
+  doc_ext = doc_BT if carry is None else jnp.concatenate([carry.tail_doc_BW, doc_BT], axis=1)
 
   def conv_branch(name):
-    pre_BTHK = matmul("btd,dhk->bthk", x_BTD, p[f"w_{name}"], dtype)
-    if carry is None:
-      y = short_conv(pre_BTHK, p[f"conv_{name}"], doc_BT)
-    else:  # the convolution reaches back into the previous piece's last W-1 tokens
-      ext = jnp.concatenate([carry.tails[name].astype(pre_BTHK.dtype), pre_BTHK], axis=1)
-      y = short_conv(ext, p[f"conv_{name}"], jnp.concatenate([carry.tail_doc_BW, doc_BT], axis=1))
-      y = y[:, carry.tail_doc_BW.shape[1]:]
-    return jax.nn.silu(y.astype(jnp.float32)), pre_BTHK
+    ext_BTHK = matmul("btd,dhk->bthk", x_BTD, p[f"w_{name}"], dtype)
+    if carry is not None:
+      ext_BTHK = jnp.concatenate([carry.tails[name].astype(ext_BTHK.dtype), ext_BTHK], axis=1)
+    y = short_conv(ext_BTHK, p[f"conv_{name}"], doc_ext)[:, w:]
+    return jax.nn.silu(y.astype(jnp.float32)), ext_BTHK[:, ext_BTHK.shape[1] - w:]
 
-  (q_BTHK, q_pre), (k_BTHK, k_pre), (v_BTHV, v_pre) = (conv_branch(n) for n in ("q", "k", "v"))
+  (q_BTHK, q_tail), (k_BTHK, k_tail), (v_BTHV, v_tail) = (conv_branch(n) for n in ("q", "k", "v"))
   q_BTHK = l2_normalize(q_BTHK, c.norm_eps).astype(dtype)
   k_BTHK = l2_normalize(k_BTHK, c.norm_eps).astype(dtype)
   v_BTHV = v_BTHV.astype(dtype)
@@ -201,9 +201,5 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
   y_BTD = matmul("bthv,hvd->btd", (o_BTHV * gate_BTHV).astype(dtype), p["w_o"], dtype)
   if carry is None:
     return y_BTD, g_BTHK, None
-  w = carry.tail_doc_BW.shape[1]
-  tail = lambda pre, name: jnp.concatenate([carry.tails[name].astype(pre.dtype), pre], axis=1)[:, -w:] \
-      if w else carry.tails[name]
-  new = KDACarry(state_out, {"q": tail(q_pre, "q"), "k": tail(k_pre, "k"), "v": tail(v_pre, "v")},
-                 jnp.concatenate([carry.tail_doc_BW, doc_BT], axis=1)[:, -w:] if w else carry.tail_doc_BW)
+  new = KDACarry(state_out, {"q": q_tail, "k": k_tail, "v": v_tail}, doc_ext[:, doc_ext.shape[1] - w:])
   return y_BTD, g_BTHK, new
