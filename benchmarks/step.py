@@ -42,6 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from benchmarks import profile as profile_lib  # noqa: E402
 from benchmarks.flops import (  # noqa: E402
   causal_attention_forward_flops_per_token,
   kda_forward_flops_per_token,
@@ -64,6 +65,8 @@ from moejax.train_step import init_state, make_train_step, shard_state  # noqa: 
 SECTION = "Training step"
 LONG_SECTION = "Training step at 1M tokens"
 COMPONENTS_SECTION = "Training step components"
+PROFILE_SECTION = "Training step profile"
+PROFILED_STEPS = 2
 LONG_SEQ = 1 << 20
 LONG_CHUNK = 1 << 17  # tokens per pass of the routed experts at T=1M
 _START = time.perf_counter()
@@ -173,9 +176,9 @@ def parse_mesh(text: str) -> dict[str, int]:
   return sizes
 
 
-def time_steps(config, batch, steps: int, mesh, warmup: int = 1) -> dict:
+def time_steps(config, batch, steps: int, mesh, warmup: int = 1, profile_dir: str | None = None) -> dict:
   """Compiles the train step on `mesh`, runs it once (compile included) and `warmup` more times, then
-  times `steps` steps back to back."""
+  times `steps` steps back to back; with `profile_dir`, then traces two more (benchmarks/profile.py)."""
   model = build_model(config)
   total = sum(s[1] for s in config.train.stages)
   log("initialising the state")
@@ -186,10 +189,10 @@ def time_steps(config, batch, steps: int, mesh, warmup: int = 1) -> dict:
   batch = jax.device_put(batch, meshlib.batch_sharding(mesh))
   step = jax.jit(make_train_step(model, optimizer, config, total), donate_argnums=0)
   with jax.set_mesh(mesh):
-    return {**_time_steps(step, state, batch, steps, optimizer, warmup), "axes": axes}
+    return {**_time_steps(step, state, batch, steps, optimizer, warmup, profile_dir), "axes": axes}
 
 
-def _time_steps(step, state, batch, steps, optimizer, warmup: int) -> dict:
+def _time_steps(step, state, batch, steps, optimizer, warmup: int, profile_dir: str | None) -> dict:
   t0 = time.perf_counter()
   step = step.lower(state, batch).compile()
   # XLA's own plan, known before anything runs: what a step that fails for memory asked for.
@@ -213,8 +216,14 @@ def _time_steps(step, state, batch, steps, optimizer, warmup: int) -> dict:
   loss = float(metrics["loss"])
   if not np.isfinite(loss):
     raise FloatingPointError(f"the benchmarked step produced loss {loss}")
+  profile = None
+  if profile_dir:
+    log(f"tracing {PROFILED_STEPS} steps into {profile_dir}")
+    events, state = profile_lib.trace_steps(step, state, batch, PROFILED_STEPS, profile_dir)
+    profile = profile_lib.table(events, profile_lib.op_names(step.as_text()), PROFILED_STEPS, seconds * 1e3)
   return {"step_s": seconds, "compile_s": compile_s, "loss": loss, "params": state.params,
-          "dropped": float(metrics.get("moe/dropped", 0.0)), "optimizer": optimizer, "state": state}
+          "dropped": float(metrics.get("moe/dropped", 0.0)), "optimizer": optimizer, "state": state,
+          "profile": profile}
 
 
 def component_times(config, batch, state, optimizer) -> list[tuple[str, int, float]]:
@@ -266,18 +275,23 @@ def component_times(config, batch, state, optimizer) -> list[tuple[str, int, flo
   return rows
 
 
-def run_long(args) -> dict:
-  """One rematerialised step at T=LONG_SEQ (its own process: the peak memory is this step's)."""
-  config = load_config(args.config, args.set, args.smoke)
+def long_config(config, seq_len: int):
+  """The settings of the long step: one row of seq_len tokens, remat full, routed experts in chunks."""
   config.model.remat = "full"
   # As experiments/1m.py: the routed experts over 128K tokens at a time, unless the config chose.
   # The dense FFNs and KDA layers run whole unless --set asks for pieces (see experiments/1m.py).
   m = config.model
-  m.moe.token_chunk = m.moe.token_chunk or min(args.long_seq, LONG_CHUNK)
+  m.moe.token_chunk = m.moe.token_chunk or min(seq_len, LONG_CHUNK)
   # QK-clip's max-logit pass is a blockwise O(T^2) loop outside the fused kernel: off here, and said so.
   config.optim.qk_clip_tau = 0.0
-  config.train.stages = ((args.long_seq, 3, args.long_seq),)
-  validate(config)
+  config.train.stages = ((seq_len, 3, seq_len),)
+  return validate(config)
+
+
+def run_long(args) -> dict:
+  """One rematerialised step at T=LONG_SEQ (its own process: the peak memory is this step's)."""
+  config = long_config(load_config(args.config, args.set, args.smoke), args.long_seq)
+  m = config.model
   batch = synthetic_batch(config, 1, args.long_seq, args.mean_doc, seed=1)
   # The first run compiled; the second, timed, is already steady (a 1M step takes long enough).
   r = time_steps(config, batch, steps=1, mesh=make_mesh({}), warmup=0)
@@ -301,8 +315,12 @@ def bench_step(args, device, write) -> list[str]:
   if (tokens // seq_len) % meshlib.token_shards(mesh):
     raise ValueError(f"{tokens // seq_len} rows per step do not split over the mesh's "
                      f"{meshlib.token_shards(mesh)} token shards")
-  r = time_steps(config, batch, args.steps, mesh)
+  r = time_steps(config, batch, args.steps, mesh, profile_dir=args.profile)
   peak = peak_memory_bytes()
+  if r["profile"]:
+    write(PROFILE_SECTION, [f"`{args.config}`, {PROFILED_STEPS} steps traced by jax.profiler after the "
+                            f"timed ones; each kernel is charged to the name stack of the HLO op that "
+                            f"launched it (benchmarks/profile.py).", "", *r["profile"]])
   mem = "n/a" if peak is None else f"{peak / 2**30:.1f} GiB"
   flops = model_flops_per_token(config, r["params"], seq_len)
   tokens_per_s = tokens / r["step_s"]
@@ -415,6 +433,8 @@ def main():
   parser.add_argument("--only", choices=("step", "long", "components"), default=None)
   parser.add_argument("--step-ms", type=float, default=None,
                       help="with --only components: the step time to share the components of")
+  parser.add_argument("--profile", default=None, metavar="DIR",
+                      help="trace two more steps into DIR and write where their kernel time goes")
   parser.add_argument("--mesh", default=None, help="e.g. data=2,expert=4 (default: expert over all devices)")
   parser.add_argument("--long-child", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU); prints, writes no table")

@@ -118,8 +118,9 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
   def loss_fn(params, balance_vars, batch):
     h_BTD, stats = model.apply({"params": params, "balance": balance_vars}, batch["tokens"],
                                batch["segment_ids"], mutable=mutable)
-    loss, metrics = cross_entropy(h_BTD, head_matrix(params, cfg), batch["targets"], batch["loss_mask"],
-                                  z_loss_weight=cfg.loss.z_loss_weight, chunk=cfg.loss.chunk_tokens)
+    with jax.named_scope("lm_head_loss"):
+      loss, metrics = cross_entropy(h_BTD, head_matrix(params, cfg), batch["targets"], batch["loss_mask"],
+                                    z_loss_weight=cfg.loss.z_loss_weight, chunk=cfg.loss.chunk_tokens)
     aux = _sum_leaves(stats.get("router", {}), "aux_loss")
     metrics["aux_loss"] = aux
     return loss + aux, (metrics, stats)
@@ -127,11 +128,13 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
   def train_step(state: TrainState, batch):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     (loss, (metrics, stats)), grads = grad_fn(state.params, state.balance, batch)
-    grad_norm = optax.tree.norm(grads)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    if config.optim.qk_clip_tau > 0:
-      params = qk_clip(params, _mla_max_logits(stats.get("attn_stats", {})), config.optim.qk_clip_tau)
+    # The named scopes label the step's parts in profiles (benchmarks/profile.py).
+    with jax.named_scope("optimizer"):
+      grad_norm = optax.tree.norm(grads)
+      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+      if config.optim.qk_clip_tau > 0:
+        params = qk_clip(params, _mla_max_logits(stats.get("attn_stats", {})), config.optim.qk_clip_tau)
     router_stats = stats.get("router", {})
     new_balance = balance_lib.next_balance_state(cfg.moe.balance, state.balance, router_stats, cfg.moe)
 

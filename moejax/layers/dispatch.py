@@ -5,6 +5,7 @@ and `jax.lax.ragged_dot` elsewhere). Rows past the sum of the group sizes come o
 expert-parallel paths rely on for padding.
 """
 
+import jax
 import jax.numpy as jnp
 
 from moejax.config import GROUPED_MATMULS
@@ -56,7 +57,10 @@ def dropless_moe(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL, b1: float
                  implementation: str = "auto"):
   """sum_k p_mk E_{idx_mk}(x_m) for every token, with every expert on this device. float32 [M, L]."""
   k = idx_MK.shape[1]
-  order_R, sizes_E = sort_by_expert(idx_MK, w_gate_ELF.shape[0])
-  x_RL = x_ML[order_R // k]
-  y_RL = grouped_situ_glu(x_RL, sizes_E, w_gate_ELF, w_up_ELF, w_down_EFL, b1, b2, implementation)
-  return combine(y_RL, order_R, p_MK)
+  with jax.named_scope("sort_gather"):
+    order_R, sizes_E = sort_by_expert(idx_MK, w_gate_ELF.shape[0])
+    x_RL = x_ML[order_R // k]
+  with jax.named_scope("grouped_glu"):
+    y_RL = grouped_situ_glu(x_RL, sizes_E, w_gate_ELF, w_up_ELF, w_down_EFL, b1, b2, implementation)
+  with jax.named_scope("combine"):
+    return combine(y_RL, order_R, p_MK)

@@ -175,30 +175,35 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
     y = short_conv(ext_BTHK, p[f"conv_{name}"], doc_ext)[:, w:]
     return jax.nn.silu(y.astype(jnp.float32)), ext_BTHK[:, ext_BTHK.shape[1] - w:]
 
-  (q_BTHK, q_tail), (k_BTHK, k_tail), (v_BTHV, v_tail) = (conv_branch(n) for n in ("q", "k", "v"))
-  q_BTHK = l2_normalize(q_BTHK, c.norm_eps).astype(dtype)
-  k_BTHK = l2_normalize(k_BTHK, c.norm_eps).astype(dtype)
-  v_BTHV = v_BTHV.astype(dtype)
-  beta_BTH = jax.nn.sigmoid(matmul("btd,dh->bth", x_BTD, p["w_beta"], dtype).astype(jnp.float32))
-  z_BTR = matmul("btd,dr->btr", x_BTD, p["w_decay_a"], dtype)
-  z_BTHK = matmul("btr,rhk->bthk", z_BTR, p["w_decay_b"], dtype)
-  g_BTHK = bounded_decay(z_BTHK, p["A_log"], p["dt_bias"], lb)
+  # The named scopes label this layer's parts in profiles (benchmarks/profile.py).
+  with jax.named_scope("qkv_conv"):
+    (q_BTHK, q_tail), (k_BTHK, k_tail), (v_BTHV, v_tail) = (conv_branch(n) for n in ("q", "k", "v"))
+    q_BTHK = l2_normalize(q_BTHK, c.norm_eps).astype(dtype)
+    k_BTHK = l2_normalize(k_BTHK, c.norm_eps).astype(dtype)
+    v_BTHV = v_BTHV.astype(dtype)
+  with jax.named_scope("gates"):
+    beta_BTH = jax.nn.sigmoid(matmul("btd,dh->bth", x_BTD, p["w_beta"], dtype).astype(jnp.float32))
+    z_BTR = matmul("btd,dr->btr", x_BTD, p["w_decay_a"], dtype)
+    z_BTHK = matmul("btr,rhk->bthk", z_BTR, p["w_decay_b"], dtype)
+    g_BTHK = bounded_decay(z_BTHK, p["A_log"], p["dt_bias"], lb)
 
   state_in = None
   if carry is not None:
     # The state carries over only while the previous piece's last document goes on.
     same_B = doc_BT[:, 0] == carry.tail_doc_BW[:, -1]
     state_in = jnp.where(same_B[:, None, None, None], carry.state_BHKV, 0.0)
-  o_BTHV, state_out = chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale=K ** -0.5,
-                                initial_state=state_in, output_final_state=carry is not None,
-                                segment_ids=doc_BT, chunk_size=kc.chunk_size,
-                                implementation=kc.implementation)
+  with jax.named_scope("chunk_kda"):
+    o_BTHV, state_out = chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale=K ** -0.5,
+                                  initial_state=state_in, output_final_state=carry is not None,
+                                  segment_ids=doc_BT, chunk_size=kc.chunk_size,
+                                  implementation=kc.implementation)
 
-  o_BTHV = rms_norm(o_BTHV, p["o_norm_scale"], c.norm_eps)
-  u_BTR = matmul("btd,dr->btr", x_BTD, p["w_gate_a"], dtype)
-  u_BTHV = matmul("btr,rhv->bthv", u_BTR, p["w_gate_b"], dtype)
-  gate_BTHV = jax.nn.sigmoid(u_BTHV.astype(jnp.float32) + p["gate_bias"].astype(jnp.float32))
-  y_BTD = matmul("bthv,hvd->btd", (o_BTHV * gate_BTHV).astype(dtype), p["w_o"], dtype)
+  with jax.named_scope("output"):
+    o_BTHV = rms_norm(o_BTHV, p["o_norm_scale"], c.norm_eps)
+    u_BTR = matmul("btd,dr->btr", x_BTD, p["w_gate_a"], dtype)
+    u_BTHV = matmul("btr,rhv->bthv", u_BTR, p["w_gate_b"], dtype)
+    gate_BTHV = jax.nn.sigmoid(u_BTHV.astype(jnp.float32) + p["gate_bias"].astype(jnp.float32))
+    y_BTD = matmul("bthv,hvd->btd", (o_BTHV * gate_BTHV).astype(dtype), p["w_o"], dtype)
   if carry is None:
     return y_BTD, g_BTHK, None
   new = KDACarry(state_out, {"q": q_tail, "k": k_tail, "v": v_tail}, doc_ext[:, doc_ext.shape[1] - w:])

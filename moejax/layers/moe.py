@@ -54,11 +54,14 @@ def _routed(w, x_BTD, segment_ids_BT, bias_E, *, cfg, stats_wanted: bool, axes: 
   reduce = (lambda v: jax.lax.psum(v, axes)) if axes else (lambda v: v)
   x_MD = x_BTD.reshape(b * t, d)
 
-  s_ME = router_scores(x_MD, w["router"])
-  idx_MK, p_MK = select_experts(s_ME, bias_E, k, e.routed_scaling)
-  stats = {"load": reduce(expert_load(idx_MK, n))}
+  # The named scopes label the layer's parts in profiles (benchmarks/profile.py).
+  with jax.named_scope("router"):
+    s_ME = router_scores(x_MD, w["router"])
+    idx_MK, p_MK = select_experts(s_ME, bias_E, k, e.routed_scaling)
+    stats = {"load": reduce(expert_load(idx_MK, n))}
 
-  h_ML = jnp.dot(x_MD, w["w_down"].astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+  with jax.named_scope("latent_down"):
+    h_ML = jnp.dot(x_MD, w["w_down"].astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
   experts = [w[name] for name in _EXPERT_WEIGHTS]
 
   def experts_fn(h_ML, idx_MK, p_MK):
@@ -73,12 +76,14 @@ def _routed(w, x_BTD, segment_ids_BT, bias_E, *, cfg, stats_wanted: bool, axes: 
 
   y_ML, dropped = by_token_chunks(experts_fn, e.token_chunk, h_ML, idx_MK, p_MK)
   stats["dropped"] = reduce(dropped)
-  y_ML = rms_norm(y_ML, w["latent_norm"], cfg.norm_eps).astype(dtype)
-  y_MD = jnp.dot(y_ML, w["w_up"].astype(dtype), preferred_element_type=jnp.float32)
+  with jax.named_scope("latent_up"):
+    y_ML = rms_norm(y_ML, w["latent_norm"], cfg.norm_eps).astype(dtype)
+    y_MD = jnp.dot(y_ML, w["w_up"].astype(dtype), preferred_element_type=jnp.float32)
 
   if stats_wanted and e.balance == "quantile":
-    stats["bias_next"] = quantile_bias(s_ME, k, bias_E, e.balance_iters,
-                                       bins=e.histogram_bins if axes else None, axis_name=axes or None)
+    with jax.named_scope("quantile_balance"):
+      stats["bias_next"] = quantile_bias(s_ME, k, bias_E, e.balance_iters,
+                                         bins=e.histogram_bins if axes else None, axis_name=axes or None)
   if stats_wanted and e.balance == "aux":
     total, docs = sequence_aux_loss_terms(s_ME, idx_MK, segment_ids_BT, k)
     stats["aux_loss"] = e.aux_loss_weight * reduce(total) / reduce(docs)

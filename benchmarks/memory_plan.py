@@ -1,0 +1,186 @@
+"""XLA's memory plan for the train step, or one layer's forward+backward, compiled and never run: what
+a step that fails for memory would have asked for, and which buffers make up its peak.
+
+  python benchmarks/memory_plan.py --config experiments/h200.py --seq-len 1048576 --long
+  python benchmarks/memory_plan.py --seq-len 1048576 --long --parts kda,mla,moe,ffn --as-gpu
+  python benchmarks/memory_plan.py --seq-len 4096 --batch 2 --set model.remat=dots --dump /tmp/plan
+
+Compiling needs no device memory: state and batch are abstract (`jax.eval_shape`). `--long` applies
+the settings of step.py's 1M-token step (remat full, routed experts in 128K-token chunks, QK-clip
+off). `--as-gpu` puts the Pallas kernels in interpret mode, so that a CPU plan holds the GPU kernels'
+own buffers rather than those of the XLA reference paths. `--dump DIR` asks XLA for its buffer
+assignment and prints the buffers live at the peak, largest first, each with the model part and the
+name stack of the op that made it (benchmarks/profile.py).
+"""
+
+import argparse
+import collections
+import glob
+import os
+import pathlib
+import re
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+GIB = 2**30
+PARTS = ("step", "kda", "mla", "moe", "ffn")
+_PEAK_SECTION = re.compile(r"Live ranges at \d+ \(peak\):\n((?:\s+\S+: \d+ bytes.*\n)+)")
+_PEAK_BUFFER = re.compile(r"^\s+([\w.\-]+)\{[^}]*\}: (\d+) bytes", re.M)
+
+
+def plan_config(args):
+  from benchmarks.step import load_config, long_config
+
+  overrides = list(args.set)
+  if args.as_gpu:
+    overrides = ["model.kda.implementation=interpret", "model.mla.attention=interpret",
+                 "model.moe.grouped_matmul=interpret", *overrides]
+  config = load_config(args.config, overrides, args.smoke)
+  if args.long:
+    config = long_config(config, args.seq_len)
+  else:
+    config.train.stages = ((args.seq_len, 3, args.seq_len * args.batch),)
+  from moejax.config import validate
+
+  return validate(config)
+
+
+def compile_step(config, batch: int, seq_len: int):
+  import jax
+  import jax.numpy as jnp
+
+  from benchmarks.step import synthetic_batch
+  from moejax.model import build_model
+  from moejax.train_step import init_state, make_train_step
+
+  model = build_model(config)
+  box = {}
+
+  def make():
+    state, box["optimizer"], _ = init_state(model, config, jax.random.key(0), 3)
+    return state
+
+  state = jax.eval_shape(make)
+  data = jax.eval_shape(lambda: jax.tree.map(jnp.asarray, synthetic_batch(config, batch, seq_len, 2048)))
+  step = jax.jit(make_train_step(model, box["optimizer"], config, 3), donate_argnums=0)
+  return step.lower(state, data).compile()
+
+
+def compile_part(config, part: str, batch: int, seq_len: int):
+  """One layer of `part`, forward and backward (as step.py's component timing runs it)."""
+  import jax
+  import jax.numpy as jnp
+  import ml_collections
+
+  from moejax.layers.ffn import SiTUGLU
+  from moejax.layers.kda import KDA
+  from moejax.layers.mla import GatedMLA
+  from moejax.layers.moe import MoE
+
+  m = ml_collections.FrozenConfigDict(config.model)
+  module, mutable = {
+      "kda": (KDA(m), ()),
+      "mla": (GatedMLA(m), ("attn_stats",)),
+      "moe": (MoE(m), ("router",)),
+      "ffn": (SiTUGLU(m.ffn.hidden_dim, m.ffn.situ_b1, m.ffn.situ_b2, dtype=jnp.dtype(m.dtype),
+                      param_dtype=jnp.dtype(m.param_dtype), token_chunk=m.ffn.token_chunk), ()),
+  }[part]
+  x = jax.ShapeDtypeStruct((batch, seq_len, m.d_model), jnp.dtype(m.dtype))
+  seg = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+  variables = jax.eval_shape(module.init, jax.random.key(2), x, seg)
+  params = variables["params"]
+  rest = {k: v for k, v in variables.items() if k != "params"}
+
+  def loss(p, x, seg, rest):
+    out = module.apply({"params": p, **rest}, x, seg, mutable=list(mutable))
+    return jnp.sum(out[0].astype(jnp.float32) ** 2) * 1e-6
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x, seg, rest).compile()
+
+
+def peak_buffers(dump_dir: str, module_pattern: str) -> list[tuple[str, int]]:
+  """(buffer name, bytes) live at the heap peak, from the newest matching `*live-range.txt` dump."""
+  paths = sorted(glob.glob(os.path.join(dump_dir, f"*{module_pattern}*live-range.txt")), key=os.path.getmtime)
+  if not paths:
+    return []
+  m = _PEAK_SECTION.search(pathlib.Path(paths[-1]).read_text())
+  if m is None:
+    return []
+  return sorted(((n, int(b)) for n, b in _PEAK_BUFFER.findall(m.group(1))), key=lambda nb: -nb[1])
+
+
+def peak_table(buffers, names: dict[str, str], top: int) -> list[str]:
+  """Markdown: the peak's bytes by model part, then its largest buffers."""
+  from benchmarks.profile import model_part
+
+  by_part = collections.Counter()
+  for name, size in buffers:
+    part, direction = model_part(names.get(name, "")) if name in names else ("(no op name)", "")
+    by_part[f"{part} ({direction})" if direction else part] += size
+  total = sum(by_part.values())
+  lines = [f"Buffers live at the peak: {len(buffers)}, {total / GIB:.1f} GiB.", "",
+           "| part | GiB at the peak | share |", "|---|---|---|"]
+  lines += [f"| {p} | {b / GIB:.2f} | {b / total:.1%} |" for p, b in by_part.most_common()]
+  lines += ["", f"The {top} largest:", "", "| buffer | GiB | name stack |", "|---|---|---|"]
+  for name, size in buffers[:top]:
+    stack = names.get(name, "")
+    stack = stack if len(stack) <= 120 else "..." + stack[-117:]
+    lines.append(f"| `{name}` | {size / GIB:.2f} | `{stack}` |")
+  return lines
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", default=str(pathlib.Path(__file__).resolve().parent.parent
+                                              / "experiments" / "h200.py"))
+  parser.add_argument("--set", action="append", default=[], help="config override, e.g. model.remat=dots")
+  parser.add_argument("--seq-len", type=int, default=8192)
+  parser.add_argument("--batch", type=int, default=1, help="rows (with --long: 1)")
+  parser.add_argument("--long", action="store_true", help="step.py's 1M-token settings")
+  parser.add_argument("--parts", default="step", help=f"comma-separated, of {PARTS}")
+  parser.add_argument("--as-gpu", action="store_true", help="Pallas kernels in interpret mode")
+  parser.add_argument("--dump", default=None, metavar="DIR", help="dump XLA's buffer assignment there")
+  parser.add_argument("--top", type=int, default=25)
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes")
+  args = parser.parse_args()
+  parts = args.parts.split(",")
+  if unknown := set(parts) - set(PARTS):
+    parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+  if args.long and args.batch != 1:
+    parser.error("--long is one row: leave --batch at 1")
+  if args.dump:
+    # Read when the backend starts, below: dump only the modules compiled here, after optimisation.
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={args.dump}",
+                                        "--xla_dump_hlo_module_re=.*(train_step|loss).*"])
+  import jax
+
+  from benchmarks.profile import op_names
+
+  config = plan_config(args)
+  flags = "".join(f"; --{f.replace('_', '-')}" for f in ("long", "as_gpu") if getattr(args, f))
+  print(f"device {jax.devices()[0].device_kind}; {args.batch} x {args.seq_len} tokens; "
+        f"overrides {args.set or 'none'}{flags}", flush=True)
+  for part in parts:
+    t0 = time.perf_counter()
+    if part == "step":
+      compiled = compile_step(config, args.batch, args.seq_len)
+    else:
+      compiled = compile_part(config, part, args.batch, args.seq_len)
+    ma = compiled.memory_analysis()
+    print(f"{part}: temporaries {ma.temp_size_in_bytes / GIB:.2f} GiB, arguments "
+          f"{ma.argument_size_in_bytes / GIB:.2f} GiB, outputs {ma.output_size_in_bytes / GIB:.2f} GiB, "
+          f"aliased {ma.alias_size_in_bytes / GIB:.2f} GiB (compiled in {time.perf_counter() - t0:.0f} s)",
+          flush=True)
+    if args.dump:
+      buffers = peak_buffers(args.dump, "train_step" if part == "step" else "loss")
+      if not buffers:
+        print(f"  no live-range dump with a peak section under {args.dump}", flush=True)
+        continue
+      print("\n".join("  " + line for line in peak_table(buffers, op_names(compiled.as_text()), args.top)),
+            flush=True)
+
+
+if __name__ == "__main__":
+  main()
