@@ -150,10 +150,14 @@ def main():
     parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
   if args.long and args.batch != 1:
     parser.error("--long is one row: leave --batch at 1")
+  from benchmarks.step import XLA_FLAGS
+
+  # Read when the backend starts, below: the step benchmark's flags, so that the plan is its step's;
+  # with --dump, XLA also writes out the modules compiled here.
+  flags = [os.environ.get("XLA_FLAGS", ""), XLA_FLAGS]
   if args.dump:
-    # Read when the backend starts, below: dump only the modules compiled here, after optimisation.
-    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={args.dump}",
-                                        "--xla_dump_hlo_module_re=.*(train_step|loss).*"])
+    flags += [f"--xla_dump_to={args.dump}", "--xla_dump_hlo_module_re=.*(train_step|loss).*"]
+  os.environ["XLA_FLAGS"] = " ".join(flags)
   import jax
 
   from benchmarks.profile import op_names

@@ -67,6 +67,7 @@ LONG_SECTION = "Training step at 1M tokens"
 COMPONENTS_SECTION = "Training step components"
 PROFILE_SECTION = "Training step profile"
 PROFILED_STEPS = 2
+XLA_FLAGS = "--xla_gpu_enable_triton_gemm=false"  # why: main()
 LONG_SEQ = 1 << 20
 LONG_CHUNK = 1 << 17  # tokens per pass of the routed experts at T=1M
 _START = time.perf_counter()
@@ -344,6 +345,8 @@ def bench_step(args, device, write) -> list[str]:
       *optimizer_rows(config, r["params"], r["axes"], flops["total"] * tokens)]
   # Written now, so that the step's figures survive a run cut off while it times the components.
   write(SECTION, lines + ["", "Components: not timed (the run ended before them)."])
+  if args.no_components:
+    return lines
   return lines + component_table(config, batch, r["state"], r["optimizer"], step_ms)
 
 
@@ -433,6 +436,7 @@ def main():
   parser.add_argument("--only", choices=("step", "long", "components"), default=None)
   parser.add_argument("--step-ms", type=float, default=None,
                       help="with --only components: the step time to share the components of")
+  parser.add_argument("--no-components", action="store_true", help="time the step, not its parts alone")
   parser.add_argument("--profile", default=None, metavar="DIR",
                       help="trace two more steps into DIR and write where their kernel time goes")
   parser.add_argument("--mesh", default=None, help="e.g. data=2,expert=4 (default: expert over all devices)")
@@ -444,7 +448,7 @@ def main():
   # dot fusion over dozens of its own Triton GEMM variants, compiling each. With it on, the H200 step
   # had not finished compiling after 225 s (how much of that was this autotuning is not measured);
   # cuBLAS takes the dense matmuls instead.
-  os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_gpu_enable_triton_gemm=false"])
+  os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), XLA_FLAGS])
   if args.smoke:
     args.long_seq, args.steps, args.mean_doc = min(args.long_seq, 1024), min(args.steps, 2), 100
   if args.long_child:
