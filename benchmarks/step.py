@@ -5,6 +5,7 @@ component, and one step at T=1M with rematerialisation.
   python benchmarks/step.py --config experiments/h200.py --only long   # just the 1M-token step
   python benchmarks/step.py --mesh data=2,expert=4 --only step         # 8 devices, expert-parallel
   python benchmarks/step.py --config experiments/h200.py --only components --step-ms 664.9
+  python benchmarks/step.py --config experiments/h200.py --only profile  # time per part, from a trace
   python benchmarks/step.py --smoke                                    # tiny shapes, any machine
 
 The step runs on a data x expert mesh (default: `expert` over every device, so one GPU is a mesh
@@ -316,12 +317,8 @@ def bench_step(args, device, write) -> list[str]:
   if (tokens // seq_len) % meshlib.token_shards(mesh):
     raise ValueError(f"{tokens // seq_len} rows per step do not split over the mesh's "
                      f"{meshlib.token_shards(mesh)} token shards")
-  r = time_steps(config, batch, args.steps, mesh, profile_dir=args.profile)
+  r = time_steps(config, batch, args.steps, mesh)
   peak = peak_memory_bytes()
-  if r["profile"]:
-    write(PROFILE_SECTION, [f"`{args.config}`, {PROFILED_STEPS} steps traced by jax.profiler after the "
-                            f"timed ones; each kernel is charged to the name stack of the HLO op that "
-                            f"launched it (benchmarks/profile.py).", "", *r["profile"]])
   mem = "n/a" if peak is None else f"{peak / 2**30:.1f} GiB"
   flops = model_flops_per_token(config, r["params"], seq_len)
   tokens_per_s = tokens / r["step_s"]
@@ -392,6 +389,19 @@ def bench_components(args) -> list[str]:
           *component_table(config, batch, state, optimizer, args.step_ms)]
 
 
+def bench_profile(args) -> list[str]:
+  """The step on one device, timed, then PROFILED_STEPS more traced (main turns CUDA graphs off)."""
+  config = load_config(args.config, args.set, args.smoke)
+  seq_len, _, tokens = config.train.stages[0]
+  batch = synthetic_batch(config, tokens // seq_len, seq_len, args.mean_doc)
+  r = time_steps(config, batch, args.steps, make_mesh({}), profile_dir=args.profile)
+  return [f"`{args.config}` at seq_len {seq_len}, {tokens} tokens per step, one device, with XLA's command "
+          f"buffers (CUDA graphs) off, so that every kernel names the HLO op that launched it: step time "
+          f"{r['step_s'] * 1e3:.1f} ms in this run. {PROFILED_STEPS} steps traced by jax.profiler after "
+          f"{args.steps} timed ones; each kernel is charged to the model part in its op's name stack "
+          f"(benchmarks/profile.py).", "", *r["profile"]]
+
+
 def bench_long(args) -> list[str]:
   cmd = [sys.executable, __file__, "--long-child", "--config", args.config, "--long-seq",
          str(args.long_seq), "--mean-doc", str(args.mean_doc), *(f"--set={s}" for s in args.set)]
@@ -433,12 +443,12 @@ def main():
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--mean-doc", type=int, default=2048, help="mean document length of the batches")
   parser.add_argument("--long-seq", type=int, default=LONG_SEQ)
-  parser.add_argument("--only", choices=("step", "long", "components"), default=None)
+  parser.add_argument("--only", choices=("step", "long", "components", "profile"), default=None)
   parser.add_argument("--step-ms", type=float, default=None,
                       help="with --only components: the step time to share the components of")
   parser.add_argument("--no-components", action="store_true", help="time the step, not its parts alone")
-  parser.add_argument("--profile", default=None, metavar="DIR",
-                      help="trace two more steps into DIR and write where their kernel time goes")
+  parser.add_argument("--profile", default="/tmp/moejax_step_trace", metavar="DIR",
+                      help="with --only profile: where the trace goes")
   parser.add_argument("--mesh", default=None, help="e.g. data=2,expert=4 (default: expert over all devices)")
   parser.add_argument("--long-child", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU); prints, writes no table")
@@ -448,7 +458,9 @@ def main():
   # dot fusion over dozens of its own Triton GEMM variants, compiling each. With it on, the H200 step
   # had not finished compiling after 225 s (how much of that was this autotuning is not measured);
   # cuBLAS takes the dense matmuls instead.
-  os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), XLA_FLAGS])
+  # A kernel launched from a CUDA graph is traced without its HLO op, so the profile runs without them.
+  no_graphs = "--xla_gpu_enable_command_buffer=" if args.only == "profile" else ""
+  os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), XLA_FLAGS, no_graphs])
   if args.smoke:
     args.long_seq, args.steps, args.mean_doc = min(args.long_seq, 1024), min(args.steps, 2), 100
   if args.long_child:
@@ -469,6 +481,9 @@ def main():
 
   if args.only == "components":
     write(COMPONENTS_SECTION, bench_components(args))
+    return
+  if args.only == "profile":
+    write(PROFILE_SECTION, bench_profile(args))
     return
   if args.only != "long":
     write(SECTION, bench_step(args, device, write))

@@ -5,6 +5,7 @@ Parameters carry MaxText-style logical axis names (`embed`, `heads`, `mlp`, ...)
 `moejax/parallel/mesh.py`, never in the math.
 """
 
+import functools
 from collections.abc import Sequence
 
 import flax.linen as nn
@@ -36,10 +37,82 @@ def kernel_init(num_in_axes: int, ndim: int):
 default_kernel_init = kernel_init(1, 2)  # [in, out] matrices
 
 
-def matmul(spec: str, x, w, dtype):
-  """einsum in the compute dtype with float32 accumulation, cast back to the compute dtype."""
-  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
-                    preferred_element_type=jnp.float32).astype(dtype)
+def _einsum_parts(spec: str) -> tuple[str, str, str]:
+  inputs, arrow, out = spec.replace(" ", "").partition("->")
+  a, comma, b = inputs.partition(",")
+  if not (arrow and comma) or "." in spec or not all(s.isalpha() for s in (a, b, out)):
+    raise ValueError(f"matmul wants an explicit two-operand einsum 'ab,bc->ac', got {spec!r}")
+  for name, own, others in (("x", a, b + out), ("w", b, a + out), ("output", out, a + b)):
+    if lone := set(own) - set(others):
+      # Then the gradient einsums below would not be the transposes of this one.
+      raise ValueError(f"matmul {spec!r}: {name} index {sorted(lone)} appears nowhere else")
+  return a, b, out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _lowp_einsum(spec: str, x, w, out_dtype):
+  return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def _lowp_einsum_fwd(spec, x, w, out_dtype):
+  return _lowp_einsum(spec, x, w, out_dtype), (x, w)
+
+
+def _lowp_einsum_bwd(spec, out_dtype, residuals, dy):
+  x, w = residuals
+  a, b, out = _einsum_parts(spec)
+  dy = dy.astype(x.dtype)
+  dx = jnp.einsum(f"{out},{b}->{a}", dy, w.astype(x.dtype), preferred_element_type=jnp.float32,
+                  out_sharding=_explicit_sharding(x))
+  dw = jnp.einsum(f"{a},{out}->{b}", x, dy, preferred_element_type=jnp.float32,
+                  out_sharding=_explicit_sharding(w))
+  return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+def _explicit_sharding(like):
+  """like's sharding on an Explicit mesh, where a contraction over a sharded axis must be told where its
+  result goes (as autodiff tells the transposes of a dot); None otherwise."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or jax.sharding.AxisType.Explicit not in set(mesh.axis_types):
+    return None
+  # The spec alone, on the ambient mesh: an array that came in unsharded has a type without a mesh.
+  return jax.typeof(like).sharding.spec
+
+
+_lowp_einsum.defvjp(_lowp_einsum_fwd, _lowp_einsum_bwd)
+
+
+def matmul(spec: str, x, w, dtype, out_dtype=None):
+  """einsum of x and w in the compute dtype with float32 accumulation; the result in out_dtype
+  (default: dtype). `spec` is an explicit contraction like "btd,dhk->bthk".
+
+  The backward pass runs in the compute dtype too: the incoming gradient is cast to it, so both of its
+  matmuls are, for bf16 compute, bf16 GEMMs (plain autodiff would hand them the float32 gradient of the
+  float32 accumulator and make them float32 GEMMs, which run at the TF32 rate or below). The weight
+  gradient is accumulated and returned in float32 (w's dtype), x's in the compute dtype.
+  """
+  _einsum_parts(spec)
+  x, w = _same_varying_axes(x.astype(dtype), w)
+  return _lowp_einsum(spec, x, w, jnp.dtype(out_dtype or dtype))
+
+
+def _varying_axes(x) -> frozenset:
+  """The shard_map mesh axes over which x varies (empty outside shard_map)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)
+  return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _same_varying_axes(x, w):
+  """Inside shard_map, marks each operand as varying over the axes the other varies over, as a plain
+  einsum does implicitly: a custom VJP's gradient must vary exactly as its operand does, and the
+  transpose of this cast sums a replicated weight's gradient over the shards."""
+  vx, vw = _varying_axes(x), _varying_axes(w)
+  if vx - vw:
+    w = jax.lax.pcast(w, tuple(sorted(vx - vw)), to="varying")
+  if vw - vx:
+    x = jax.lax.pcast(x, tuple(sorted(vw - vx)), to="varying")
+  return x, w
 
 
 def check_input(x_BTD, d_model: int, layer: str):
@@ -81,10 +154,11 @@ class Dense(nn.Module):
 
 
 def dense_apply(w, x, dtype, out_dtype=None):
-  """x @ w over x's last axis, w [in, *features]: operands in `dtype`, float32 accumulation, the
-  result in out_dtype (default dtype). Dense's math, for code that holds the kernel itself."""
-  y = jnp.dot(x.astype(dtype), w.reshape(w.shape[0], -1).astype(dtype), preferred_element_type=jnp.float32)
-  return y.reshape(*x.shape[:-1], *w.shape[1:]).astype(out_dtype or dtype)
+  """x @ w over x's last axis, w [in, *features]: `matmul` (operands in `dtype`, float32 accumulation,
+  backward in `dtype`), the result in out_dtype (default dtype). Dense's math, for code that holds the
+  kernel itself."""
+  y = matmul("md,df->mf", x.reshape(-1, x.shape[-1]), w.reshape(w.shape[0], -1), dtype, out_dtype)
+  return y.reshape(*x.shape[:-1], *w.shape[1:])
 
 
 def rms_norm(x, scale=None, eps: float = 1e-6):

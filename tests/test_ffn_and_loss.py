@@ -109,3 +109,43 @@ def test_chunked_cross_entropy_matches_direct(T, chunk, z_weight, seed):
                                        z_loss_weight=z_weight, chunk=chunk)[0]
   for a, b in zip(jax.grad(chunked, (0, 1))(h, w), jax.grad(direct, (0, 1))(h, w), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("z_weight", [0.0, 1e-2])
+def test_cross_entropy_gradients_in_bfloat16(z_weight):
+  """bf16 hidden states, float32 head (as the model trains): the gradients made in the forward pass
+  agree with float32 autodiff of the unchunked formula on the same (bf16-rounded) inputs."""
+  rng = np.random.default_rng(3)
+  B, T, D, V = 2, 37, 16, 50
+  h = jnp.asarray(rng.normal(size=(B, T, D)), jnp.bfloat16)
+  w = jnp.asarray(rng.normal(size=(D, V)) * 0.3, jnp.float32)
+  targets = jnp.asarray(rng.integers(0, V, size=(B, T)))
+  mask = jnp.asarray(rng.random((B, T)) > 0.2, jnp.float32)
+
+  def direct(h, w):
+    logits = h.astype(jnp.float32) @ w.astype(jnp.bfloat16).astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, -1)
+    nll = lse - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
+    count = jnp.maximum(mask.sum(), 1.0)
+    return (nll * mask).sum() / count + z_weight * (lse**2 * mask).sum() / count
+
+  fused = jax.jit(jax.value_and_grad(
+      lambda h, w: cross_entropy(h, w, targets, mask, z_loss_weight=z_weight, chunk=16)[0], (0, 1)))
+  (loss, (dh, dw)) = fused(h, w)
+  (ref, (dh_ref, dw_ref)) = jax.value_and_grad(direct, (0, 1))(h.astype(jnp.float32), w)
+  assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+  np.testing.assert_allclose(float(loss), float(ref), rtol=1e-5)
+  for got, want in ((dh, dh_ref), (dw, dw_ref)):
+    got, want = np.asarray(got, np.float32), np.asarray(want)
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+
+
+def test_cross_entropy_metrics_carry_no_gradient_and_bad_shapes_fail():
+  h, w = jnp.ones((1, 4, 3)), jnp.ones((3, 5))
+  t = jnp.zeros((1, 4), jnp.int32)
+  g = jax.grad(lambda h: cross_entropy(h, w, t)[1]["nll"])(h)
+  assert not np.any(np.asarray(g))
+  with pytest.raises(ValueError, match="head matrix"):
+    cross_entropy(h, jnp.ones((4, 5)), t)
+  with pytest.raises(ValueError, match="targets shape"):
+    cross_entropy(h, w, t[:, :3])

@@ -35,7 +35,7 @@ from moejax.balance import quantile_bias
 from moejax.layers.dispatch import dropless_moe
 from moejax.layers.ffn import SiTUGLU
 from moejax.layers.router import expert_load, router_scores, select_experts, sequence_aux_loss_terms
-from moejax.nn import default_kernel_init, logical_param, rms_norm
+from moejax.nn import default_kernel_init, logical_param, matmul, rms_norm
 from moejax.parallel import mesh as meshlib
 from moejax.parallel.expert import default_exchange, expert_parallel
 
@@ -61,7 +61,7 @@ def _routed(w, x_BTD, segment_ids_BT, bias_E, *, cfg, stats_wanted: bool, axes: 
     stats = {"load": reduce(expert_load(idx_MK, n))}
 
   with jax.named_scope("latent_down"):
-    h_ML = jnp.dot(x_MD, w["w_down"].astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+    h_ML = matmul("md,dl->ml", x_MD, w["w_down"], dtype)
   experts = [w[name] for name in _EXPERT_WEIGHTS]
 
   def experts_fn(h_ML, idx_MK, p_MK):
@@ -78,7 +78,7 @@ def _routed(w, x_BTD, segment_ids_BT, bias_E, *, cfg, stats_wanted: bool, axes: 
   stats["dropped"] = reduce(dropped)
   with jax.named_scope("latent_up"):
     y_ML = rms_norm(y_ML, w["latent_norm"], cfg.norm_eps).astype(dtype)
-    y_MD = jnp.dot(y_ML, w["w_up"].astype(dtype), preferred_element_type=jnp.float32)
+    y_MD = matmul("ml,ld->md", y_ML, w["w_up"], dtype, out_dtype=jnp.float32)
 
   if stats_wanted and e.balance == "quantile":
     with jax.named_scope("quantile_balance"):

@@ -22,7 +22,14 @@ import math
 import jax
 import jax.numpy as jnp
 
-from moejax.layers.dispatch import combine, grouped_situ_glu, inverse_permutation, sort_by_expert
+from moejax.layers.dispatch import (
+    combine,
+    gather_pairs,
+    grouped_situ_glu,
+    inverse_permutation,
+    permute_rows,
+    sort_by_expert,
+)
 
 EXCHANGES = ("padded", "ragged")
 
@@ -50,7 +57,7 @@ def padded_expert_parallel(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL,
   e_loc, rows = num_experts // parts, m * k
   cap = max(1, math.ceil(capacity_factor * rows / parts))
   order_R, sizes_E = sort_by_expert(idx_MK, num_experts)
-  x_RL = x_ML[order_R // k]
+  x_RL = gather_pairs(x_ML, order_R, k)
   expert_R = idx_MK.reshape(-1)[order_R]
   owner_R = expert_R // e_loc
   sizes_P = sizes_E.reshape(parts, e_loc).sum(axis=1)
@@ -67,9 +74,10 @@ def padded_expert_parallel(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL,
   # Empty slots carry the id e_loc: they sort last, past the group sizes, where ragged_dot gives 0.
   local_order = jnp.argsort(recv_X, stable=True).astype(jnp.int32)
   local_sizes = jnp.zeros((e_loc + 1,), jnp.int32).at[recv_X].add(1)[:e_loc]
-  y_sorted = grouped_situ_glu(recv_XL[local_order], local_sizes, w_gate_ELF, w_up_ELF, w_down_EFL, b1, b2,
-                              grouped_matmul)
-  y_XL = swap(y_sorted[inverse_permutation(local_order)].astype(x_RL.dtype))
+  local_inverse = inverse_permutation(local_order)
+  y_sorted = grouped_situ_glu(permute_rows(recv_XL, local_order, local_inverse), local_sizes, w_gate_ELF,
+                              w_up_ELF, w_down_EFL, b1, b2, grouped_matmul)
+  y_XL = swap(permute_rows(y_sorted, local_inverse, local_order).astype(x_RL.dtype))
   y_RL = jnp.where(keep_R[:, None], y_XL[jnp.minimum(slot_R, parts * cap - 1)], 0)
   return combine(y_RL, order_R, p_MK), jnp.sum(~keep_R).astype(jnp.int32)
 
@@ -101,7 +109,7 @@ def ragged_expert_parallel(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL,
   buffer_rows = min(parts * rows, max(1, math.ceil(capacity_factor * rows)))
   me = jax.lax.axis_index(axis_name)
   order_R, sizes_E = sort_by_expert(idx_MK, num_experts)
-  x_RL = x_ML[order_R // k]
+  x_RL = gather_pairs(x_ML, order_R, k)
   counts_SE = jax.lax.all_gather(sizes_E, axis_name)
   off_DES, sent_DES = ragged_layout(counts_SE, parts, buffer_rows)
   start_SE = jnp.cumsum(counts_SE, axis=1) - counts_SE  # where each expert's rows start at the source

@@ -1,0 +1,54 @@
+"""moejax.nn.matmul: float32 accumulation forward, and a backward pass in the compute dtype whose
+gradients match float32 autodiff."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax.nn import dense_apply, matmul
+
+
+@pytest.mark.parametrize("spec, x_shape, w_shape", [
+    ("btd,dhk->bthk", (2, 5, 8), (8, 3, 4)),
+    ("bthv,hvd->btd", (2, 5, 3, 4), (3, 4, 8)),
+    ("md,dl->ml", (7, 8), (8, 6)),
+])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matmul_value_and_gradients(spec, x_shape, w_shape, dtype):
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=x_shape), jnp.float32)
+  w = jnp.asarray(rng.normal(size=w_shape), jnp.float32)
+  out_shape = jax.eval_shape(lambda: jnp.einsum(spec, x, w)).shape
+  cot = jnp.asarray(rng.normal(size=out_shape), jnp.float32)
+  ours = lambda x, w: jnp.sum(cot * matmul(spec, x, w, dtype, out_dtype=jnp.float32))
+  # The reference: float32 autodiff on the inputs rounded to the compute dtype.
+  ref = lambda x, w: jnp.sum(cot * jnp.einsum(spec, x.astype(dtype).astype(jnp.float32),
+                                              w.astype(dtype).astype(jnp.float32)))
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  np.testing.assert_allclose(ours(x, w), ref(x, w), rtol=tol)
+  (dx, dw), (rx, rw) = jax.grad(ours, (0, 1))(x, w), jax.grad(ref, (0, 1))(x, w)
+  assert dx.dtype == x.dtype and dw.dtype == w.dtype
+  for got, want in ((dx, rx), (dw, rw)):
+    assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want)
+
+
+def test_matmul_backward_runs_in_the_compute_dtype():
+  x, w = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 3), jnp.float32)
+  loss = lambda x, w: jnp.sum(matmul("md,df->mf", x, w, jnp.bfloat16, out_dtype=jnp.float32))
+  grad = jax.grad(loss, (0, 1))
+  text = jax.jit(grad).lower(x, w).as_text()
+  operands = re.findall(r"stablehlo.dot_general.*: \((tensor<[^>]*>), (tensor<[^>]*>)\)", text)
+  assert len(operands) == 2  # the two gradients (the forward value is not needed)
+  assert all(a.endswith("xbf16>") and b.endswith("xbf16>") for a, b in operands), operands
+
+
+def test_matmul_rejects_what_its_backward_cannot_transpose():
+  x, w = jnp.ones((4, 8)), jnp.ones((8, 3))
+  with pytest.raises(ValueError, match="explicit two-operand"):
+    matmul("...d,df->...f", x, w, jnp.float32)
+  with pytest.raises(ValueError, match="appears nowhere else"):
+    matmul("md,de->m", x, w, jnp.float32)
+  assert dense_apply(w, x, jnp.float32).shape == (4, 3)
