@@ -173,7 +173,11 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
     if carry is not None:
       ext_BTHK = jnp.concatenate([carry.tails[name].astype(ext_BTHK.dtype), ext_BTHK], axis=1)
     y = short_conv(ext_BTHK, p[f"conv_{name}"], doc_ext)[:, w:]
-    return jax.nn.silu(y.astype(jnp.float32)), ext_BTHK[:, ext_BTHK.shape[1] - w:]
+    # The barrier keeps XLA:GPU from fusing the shifted taps into the l2 norm's reduction: that fusion
+    # (q and k together, with the activations for the backward pass as extra outputs) took 3.5 ms per
+    # layer on the H200 step, about 25x what its bytes need.
+    y = jax.lax.optimization_barrier(jax.nn.silu(y.astype(jnp.float32)))
+    return y, ext_BTHK[:, ext_BTHK.shape[1] - w:]
 
   # The named scopes label this layer's parts in profiles (benchmarks/profile.py).
   with jax.named_scope("qkv_conv"):
