@@ -331,7 +331,8 @@ def bench_step(args, device, write) -> list[str]:
   lines = [
       f"`{args.config}` at seq_len {seq_len}, {tokens} tokens per step ({tokens // seq_len} rows) of "
       f"synthetic packed documents (mean length {args.mean_doc}), {args.steps} timed steps, mesh "
-      f"{mesh_text}. Peak memory is device 0's; components are timed alone on one device.",
+      f"{mesh_text}. Peak memory is device 0's"
+      + ("." if args.no_components else "; components are timed alone on one device."),
       "", "| figure | value |", "|---|---|",
       f"| step time | {step_ms:.1f} ms |", f"| tokens/s | {tokens_per_s:,.0f} |",
       f"| tokens/s per device | {tokens_per_s / n_dev:,.0f} |",
