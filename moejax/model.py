@@ -22,7 +22,7 @@ from moejax.layers.ffn import SiTUGLU
 from moejax.layers.kda import KDA
 from moejax.layers.mla import GatedMLA
 from moejax.layers.moe import MoE
-from moejax.nn import LAYERS_AXIS, RMSNorm, logical_param
+from moejax.nn import LAYERS_AXIS, MATMUL_NAME, RMSNorm, logical_param
 
 # A block that never closes: with plain residuals the partial sum *is* the residual stream.
 _NEVER = 1 << 62
@@ -149,6 +149,12 @@ class DecoderLayer(nn.Module):
     return state
 
 
+# remat=dots: saves what XLA's dots compute, and the outputs of moejax.nn.matmul, whose dots sit inside a
+# custom VJP where `dots_saveable` cannot see them.
+DOTS_POLICY = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.save_only_these_names(MATMUL_NAME))
+
+
 def _layer_class(cfg):
   if cfg.remat == "full":
     return nn.remat(DecoderLayer)
@@ -156,7 +162,7 @@ def _layer_class(cfg):
     # Matmul outputs are kept, the elementwise work between them is recomputed (custom-VJP kernels rerun
     # their forward). Scanned layers need it most: a scan saves every residual of its body, where XLA
     # fuses and recomputes the cheap ones of unrolled layers.
-    return nn.remat(DecoderLayer, policy=jax.checkpoint_policies.dots_saveable)
+    return nn.remat(DecoderLayer, policy=DOTS_POLICY)
   return DecoderLayer
 
 

@@ -11,8 +11,12 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 Axes = tuple[str | None, ...]
+
+# The checkpoint name of every `matmul` output, for remat policies.
+MATMUL_NAME = "matmul"
 
 # The leading logical axis of the params of scanned layers (moejax/model.py): a batch of layers.
 LAYERS_AXIS = "layers"
@@ -93,7 +97,8 @@ def matmul(spec: str, x, w, dtype, out_dtype=None):
   """
   _einsum_parts(spec)
   x, w = _same_varying_axes(x.astype(dtype), w)
-  return _lowp_einsum(spec, x, w, jnp.dtype(out_dtype or dtype))
+  # Named, because a remat policy cannot see the dot inside the custom VJP (model.DOTS_POLICY saves it).
+  return checkpoint_name(_lowp_einsum(spec, x, w, jnp.dtype(out_dtype or dtype)), MATMUL_NAME)
 
 
 def _varying_axes(x) -> frozenset:

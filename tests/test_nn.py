@@ -52,3 +52,21 @@ def test_matmul_rejects_what_its_backward_cannot_transpose():
   with pytest.raises(ValueError, match="appears nowhere else"):
     matmul("md,de->m", x, w, jnp.float32)
   assert dense_apply(w, x, jnp.float32).shape == (4, 3)
+
+
+def test_remat_dots_policy_saves_matmul_outputs(capsys):
+  """model.remat=dots must keep nn.matmul's outputs, though their dots sit inside a custom VJP."""
+  from jax.ad_checkpoint import print_saved_residuals
+
+  from moejax.model import DOTS_POLICY
+
+  def f(x, w1, w2):
+    h = jnp.tanh(matmul("md,df->mf", x, w1, jnp.bfloat16))
+    return jnp.sum(matmul("mf,fd->md", h, w2, jnp.bfloat16).astype(jnp.float32))
+
+  x, w1, w2 = jnp.ones((8, 16), jnp.bfloat16), jnp.ones((16, 32)), jnp.ones((32, 16))
+  print_saved_residuals(jax.checkpoint(f, policy=DOTS_POLICY), x, w1, w2)
+  assert "bf16[8,32]" in capsys.readouterr().out  # the first matmul's output is kept
+  # Without the name, the policy would see no dot and keep only the arguments.
+  print_saved_residuals(jax.checkpoint(f, policy=jax.checkpoint_policies.dots_saveable), x, w1, w2)
+  assert "bf16[8,32]" not in capsys.readouterr().out
