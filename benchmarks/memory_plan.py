@@ -39,9 +39,8 @@ def plan_config(args):
                  "model.moe.grouped_matmul=interpret", *overrides]
   config = load_config(args.config, overrides, args.smoke)
   if args.long:
-    config = long_config(config, args.seq_len)
-  else:
-    config.train.stages = ((args.seq_len, 3, args.seq_len * args.batch),)
+    return long_config(config, args.seq_len)
+  config.train.stages = ((args.seq_len, 3, args.seq_len * args.batch),)
   from moejax.config import validate
 
   return validate(config)
@@ -69,35 +68,18 @@ def compile_step(config, batch: int, seq_len: int):
 
 
 def compile_part(config, part: str, batch: int, seq_len: int):
-  """One layer of `part`, forward and backward (as step.py's component timing runs it)."""
+  """One layer of `part`, forward and backward, as step.py's component timing runs it."""
   import jax
   import jax.numpy as jnp
-  import ml_collections
 
-  from moejax.layers.ffn import SiTUGLU
-  from moejax.layers.kda import KDA
-  from moejax.layers.mla import GatedMLA
-  from moejax.layers.moe import MoE
+  from benchmarks.step import layer_fwd_bwd, layer_module
 
-  m = ml_collections.FrozenConfigDict(config.model)
-  module, mutable = {
-      "kda": (KDA(m), ()),
-      "mla": (GatedMLA(m), ("attn_stats",)),
-      "moe": (MoE(m), ("router",)),
-      "ffn": (SiTUGLU(m.ffn.hidden_dim, m.ffn.situ_b1, m.ffn.situ_b2, dtype=jnp.dtype(m.dtype),
-                      param_dtype=jnp.dtype(m.param_dtype), token_chunk=m.ffn.token_chunk), ()),
-  }[part]
-  x = jax.ShapeDtypeStruct((batch, seq_len, m.d_model), jnp.dtype(m.dtype))
+  module, mutable = layer_module(config, part)
+  x = jax.ShapeDtypeStruct((batch, seq_len, config.model.d_model), jnp.dtype(config.model.dtype))
   seg = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
   variables = jax.eval_shape(module.init, jax.random.key(2), x, seg)
-  params = variables["params"]
   rest = {k: v for k, v in variables.items() if k != "params"}
-
-  def loss(p, x, seg, rest):
-    out = module.apply({"params": p, **rest}, x, seg, mutable=list(mutable))
-    return jnp.sum(out[0].astype(jnp.float32) ** 2) * 1e-6
-
-  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x, seg, rest).compile()
+  return jax.jit(layer_fwd_bwd(module, mutable)).lower(variables["params"], x, seg, rest).compile()
 
 
 def peak_buffers(dump_dir: str, module_pattern: str) -> list[tuple[str, int]]:
@@ -117,7 +99,7 @@ def peak_table(buffers, names: dict[str, str], top: int) -> list[str]:
 
   by_part = collections.Counter()
   for name, size in buffers:
-    part, direction = model_part(names.get(name, "")) if name in names else ("(no op name)", "")
+    part, direction = model_part(names[name]) if name in names else ("(no op name)", "")
     by_part[f"{part} ({direction})" if direction else part] += size
   total = sum(by_part.values())
   lines = [f"Buffers live at the peak: {len(buffers)}, {total / GIB:.1f} GiB.", "",
@@ -154,10 +136,10 @@ def main():
 
   # Read when the backend starts, below: the step benchmark's flags, so that the plan is its step's;
   # with --dump, XLA also writes out the modules compiled here.
-  flags = [os.environ.get("XLA_FLAGS", ""), XLA_FLAGS]
+  xla_flags = [os.environ.get("XLA_FLAGS", ""), XLA_FLAGS]
   if args.dump:
-    flags += [f"--xla_dump_to={args.dump}", "--xla_dump_hlo_module_re=.*(train_step|loss).*"]
-  os.environ["XLA_FLAGS"] = " ".join(flags)
+    xla_flags += [f"--xla_dump_to={args.dump}", "--xla_dump_hlo_module_re=.*(train_step|loss).*"]
+  os.environ["XLA_FLAGS"] = " ".join(xla_flags)
   import jax
 
   from benchmarks.profile import op_names

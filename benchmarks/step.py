@@ -228,41 +228,57 @@ def _time_steps(step, state, batch, steps, optimizer, warmup: int, profile_dir: 
           "profile": profile}
 
 
+def layer_module(config, kind: str):
+  """(module, mutable collections) of one layer of `kind` ("kda", "mla", "moe" or "ffn", the dense
+  SiTU-GLU) as the train step runs it: MLA with its max-logit pass when QK-clip is on."""
+  m = ml_collections.FrozenConfigDict(config.model)
+  if kind == "kda":
+    return KDA(m), ()
+  if kind == "mla":
+    return GatedMLA(m), ("attn_stats",) if config.optim.qk_clip_tau > 0 else ()
+  if kind == "moe":
+    return MoE(m), ("router",)
+  if kind == "ffn":
+    return SiTUGLU(m.ffn.hidden_dim, m.ffn.situ_b1, m.ffn.situ_b2, dtype=jnp.dtype(m.dtype),
+                   param_dtype=jnp.dtype(m.param_dtype), token_chunk=m.ffn.token_chunk), ()
+  raise ValueError(f"no layer kind {kind!r}")
+
+
+def layer_fwd_bwd(module, mutable):
+  """(params, x, segment_ids, other collections) -> (loss, (dparams, dx)) of one layer alone, with
+  loss = 1e-6 * sum(y^2)."""
+  def loss(p, x, seg, rest):
+    out = module.apply({"params": p, **rest}, x, seg, mutable=list(mutable)) if mutable else \
+        module.apply({"params": p, **rest}, x, seg)
+    y = out[0] if mutable else out
+    return jnp.sum(y.astype(jnp.float32) ** 2) * 1e-6
+
+  return jax.value_and_grad(loss, argnums=(0, 1))
+
+
 def component_times(config, batch, state, optimizer) -> list[tuple[str, int, float]]:
   """(component, count in the model, ms of one forward+backward) for each part timed alone."""
   m = ml_collections.FrozenConfigDict(config.model)
-  dtype = jnp.dtype(m.dtype)
   B, T = batch["tokens"].shape
-  x = jax.random.normal(jax.random.key(1), (B, T, m.d_model), dtype)
+  x = jax.random.normal(jax.random.key(1), (B, T, m.d_model), jnp.dtype(m.dtype))
   seg = batch["segment_ids"]
   kinds = layer_kinds(m)
   rows = []
 
-  def layer(name, module, count, mutable=()):
+  def layer(name, kind, count):
+    module, mutable = layer_module(config, kind)
     variables = jax.jit(module.init)(jax.random.key(2), x, seg)
-    params = variables["params"]
     rest = {k: v for k, v in variables.items() if k != "params"}
-
-    def loss(p, x):
-      out = module.apply({"params": p, **rest}, x, seg, mutable=list(mutable)) if mutable else \
-          module.apply({"params": p, **rest}, x, seg)
-      y = out[0] if mutable else out
-      return jnp.sum(y.astype(jnp.float32) ** 2) * 1e-6
-
-    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    rows.append((name, count, time_ms(fn, params, x)))
+    fn = jax.jit(layer_fwd_bwd(module, mutable))
+    rows.append((name, count, time_ms(fn, variables["params"], x, seg, rest)))
     log(f"  timed {name}: {rows[-1][2]:.2f} ms")
 
-  layer("KDA layer", KDA(m), sum(k == "kda" for k, _ in kinds))
-  # With QK-clip on, the step's MLA layers also run the max-logit pass (the "attn_stats" collection).
-  layer("MLA layer", GatedMLA(m), sum(k == "mla" for k, _ in kinds),
-        mutable=("attn_stats",) if config.optim.qk_clip_tau > 0 else ())
+  layer("KDA layer", "kda", sum(k == "kda" for k, _ in kinds))
+  layer("MLA layer", "mla", sum(k == "mla" for k, _ in kinds))
   if any(f == "moe" for _, f in kinds):
-    layer("MoE layer", MoE(m), sum(f == "moe" for _, f in kinds), mutable=("router",))
+    layer("MoE layer", "moe", sum(f == "moe" for _, f in kinds))
   if any(f == "dense" for _, f in kinds):
-    layer("dense FFN", SiTUGLU(m.ffn.hidden_dim, m.ffn.situ_b1, m.ffn.situ_b2, dtype=dtype,
-                               param_dtype=jnp.dtype(m.param_dtype), token_chunk=m.ffn.token_chunk),
-          sum(f == "dense" for _, f in kinds))
+    layer("dense FFN", "ffn", sum(f == "dense" for _, f in kinds))
 
   head = state.params["embedding"].T if m.tie_embeddings else state.params["head"]
 
