@@ -251,19 +251,21 @@ def test_permutation_gathers_have_gather_backward_equal_to_autodiff(m, k, seed):
 
   rng = np.random.default_rng(seed)
   idx = jnp.asarray(rng.integers(0, 5, (m, k)), jnp.int32)
-  order, _ = sort_by_expert(idx, 5)
-  inverse = inverse_permutation(order)
+  order, inverse, _ = sort_by_expert(idx, 5)
+  np.testing.assert_array_equal(inverse, inverse_permutation(order))
+  np.testing.assert_array_equal(np.asarray(order)[np.asarray(inverse)], np.arange(m * k))
   x = jnp.asarray(rng.normal(size=(m, 6)), jnp.float32)
   y = jnp.asarray(rng.normal(size=(m * k, 6)), jnp.float32)
   cot = jnp.asarray(rng.normal(size=(m * k, 6)), jnp.float32)
 
-  ours = lambda x, y: jnp.sum(cot * (gather_pairs(x, order, k) + permute_rows(y, inverse, order)) ** 2)
+  ours = lambda x, y: jnp.sum(cot * (gather_pairs(x, order, inverse, k)
+                                    + permute_rows(y, inverse, order)) ** 2)
   plain = lambda x, y: jnp.sum(cot * (x[order // k] + y[inverse]) ** 2)
   chex.assert_trees_all_close(ours(x, y), plain(x, y), rtol=1e-6)
   chex.assert_trees_all_close(jax.grad(ours, (0, 1))(x, y), jax.grad(plain, (0, 1))(x, y),
                               rtol=1e-5, atol=1e-6)
   # Under jit, in bf16: each token's gradient sums its k rows.
-  summed = lambda x: jnp.sum(gather_pairs(x, order, k).astype(jnp.float32))
+  summed = lambda x: jnp.sum(gather_pairs(x, order, inverse, k).astype(jnp.float32))
   g = jax.jit(jax.grad(summed))(x.astype(jnp.bfloat16))
   assert g.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(g, np.float32), np.full((m, 6), k, np.float32))

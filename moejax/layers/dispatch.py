@@ -36,11 +36,12 @@ def grouped_situ_glu(x_RL, group_sizes_G, w_gate_GLF, w_up_GLF, w_down_GFL, b1: 
 
 
 def sort_by_expert(idx_MK, num_experts: int):
-  """Order of the flattened (token, slot) pairs grouped by expert, and the group sizes."""
+  """Order of the flattened (token, slot) pairs grouped by expert, its inverse permutation (where each
+  pair went), and the group sizes."""
   flat_R = idx_MK.reshape(-1)
   order_R = jnp.argsort(flat_R, stable=True).astype(jnp.int32)
   sizes_E = jnp.bincount(flat_R, length=num_experts).astype(jnp.int32)
-  return order_R, sizes_E
+  return order_R, inverse_permutation(order_R), sizes_E
 
 
 def inverse_permutation(order_R):
@@ -70,30 +71,30 @@ def _permute_rows_bwd(inverse_R, dy_RL):
 permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def gather_pairs(x_ML, order_R, k: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def gather_pairs(x_ML, order_R, inverse_R, k: int):
   """Row r is x[order_R[r] // k], the token of flattened (token, slot) pair order_R[r]; order_R must be
-  a permutation of range(M * k), as `sort_by_expert` gives. The backward pass sums each token's k rows."""
+  a permutation of range(M * k) and inverse_R its inverse, as `sort_by_expert` gives. The backward pass
+  sums each token's k rows."""
   return x_ML[order_R // k]
 
 
-def _gather_pairs_fwd(x_ML, order_R, k):
-  return x_ML[order_R // k], order_R
+def _gather_pairs_fwd(x_ML, order_R, inverse_R, k):
+  return x_ML[order_R // k], inverse_R
 
 
-def _gather_pairs_bwd(k, order_R, dx_RL):
-  m = order_R.shape[0] // k
-  dx_MKL = dx_RL[inverse_permutation(order_R)].reshape(m, k, -1)
-  return jnp.sum(dx_MKL.astype(jnp.float32), axis=1).astype(dx_RL.dtype), None
+def _gather_pairs_bwd(k, inverse_R, dx_RL):
+  dx_MKL = dx_RL[inverse_R].reshape(inverse_R.shape[0] // k, k, -1)
+  return jnp.sum(dx_MKL.astype(jnp.float32), axis=1).astype(dx_RL.dtype), None, None
 
 
 gather_pairs.defvjp(_gather_pairs_fwd, _gather_pairs_bwd)
 
 
-def combine(y_sorted_RL, order_R, p_MK):
+def combine(y_sorted_RL, order_R, inverse_R, p_MK):
   """Un-sort the expert outputs back to (token, slot) and take the p-weighted sum, in float32."""
   m, k = p_MK.shape
-  y_RL = permute_rows(y_sorted_RL, inverse_permutation(order_R), order_R)
+  y_RL = permute_rows(y_sorted_RL, inverse_R, order_R)
   return jnp.einsum("mkl,mk->ml", y_RL.reshape(m, k, -1).astype(jnp.float32), p_MK.astype(jnp.float32))
 
 
@@ -102,9 +103,9 @@ def dropless_moe(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL, b1: float
   """sum_k p_mk E_{idx_mk}(x_m) for every token, with every expert on this device. float32 [M, L]."""
   k = idx_MK.shape[1]
   with jax.named_scope("sort_gather"):
-    order_R, sizes_E = sort_by_expert(idx_MK, w_gate_ELF.shape[0])
-    x_RL = gather_pairs(x_ML, order_R, k)
+    order_R, inverse_R, sizes_E = sort_by_expert(idx_MK, w_gate_ELF.shape[0])
+    x_RL = gather_pairs(x_ML, order_R, inverse_R, k)
   with jax.named_scope("grouped_glu"):
     y_RL = grouped_situ_glu(x_RL, sizes_E, w_gate_ELF, w_up_ELF, w_down_EFL, b1, b2, implementation)
   with jax.named_scope("combine"):
-    return combine(y_RL, order_R, p_MK)
+    return combine(y_RL, order_R, inverse_R, p_MK)

@@ -56,8 +56,8 @@ def padded_expert_parallel(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL,
   m, k = idx_MK.shape
   e_loc, rows = num_experts // parts, m * k
   cap = max(1, math.ceil(capacity_factor * rows / parts))
-  order_R, sizes_E = sort_by_expert(idx_MK, num_experts)
-  x_RL = gather_pairs(x_ML, order_R, k)
+  order_R, inverse_R, sizes_E = sort_by_expert(idx_MK, num_experts)
+  x_RL = gather_pairs(x_ML, order_R, inverse_R, k)
   expert_R = idx_MK.reshape(-1)[order_R]
   owner_R = expert_R // e_loc
   sizes_P = sizes_E.reshape(parts, e_loc).sum(axis=1)
@@ -79,7 +79,7 @@ def padded_expert_parallel(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL,
                               w_up_ELF, w_down_EFL, b1, b2, grouped_matmul)
   y_XL = swap(permute_rows(y_sorted, local_inverse, local_order).astype(x_RL.dtype))
   y_RL = jnp.where(keep_R[:, None], y_XL[jnp.minimum(slot_R, parts * cap - 1)], 0)
-  return combine(y_RL, order_R, p_MK), jnp.sum(~keep_R).astype(jnp.int32)
+  return combine(y_RL, order_R, inverse_R, p_MK), jnp.sum(~keep_R).astype(jnp.int32)
 
 
 def ragged_layout(counts_SE, parts: int, buffer_rows: int):
@@ -108,8 +108,8 @@ def ragged_expert_parallel(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL,
   e_loc, rows = num_experts // parts, m * k
   buffer_rows = min(parts * rows, max(1, math.ceil(capacity_factor * rows)))
   me = jax.lax.axis_index(axis_name)
-  order_R, sizes_E = sort_by_expert(idx_MK, num_experts)
-  x_RL = gather_pairs(x_ML, order_R, k)
+  order_R, inverse_R, sizes_E = sort_by_expert(idx_MK, num_experts)
+  x_RL = gather_pairs(x_ML, order_R, inverse_R, k)
   counts_SE = jax.lax.all_gather(sizes_E, axis_name)
   off_DES, sent_DES = ragged_layout(counts_SE, parts, buffer_rows)
   start_SE = jnp.cumsum(counts_SE, axis=1) - counts_SE  # where each expert's rows start at the source
@@ -127,7 +127,7 @@ def ragged_expert_parallel(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL,
   y_RL = exchange(y_XL.astype(x_RL.dtype), jnp.zeros_like(x_RL), off_DES[me].T.reshape(num_experts),
                   sent_DES[me].T.reshape(num_experts), start_back.reshape(num_experts), send_E,
                   axis_name=axis_name)
-  return combine(y_RL, order_R, p_MK), jnp.sum(sizes_E - send_E).astype(jnp.int32)
+  return combine(y_RL, order_R, inverse_R, p_MK), jnp.sum(sizes_E - send_E).astype(jnp.int32)
 
 
 def expert_parallel(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL, *, exchange: str, **kwargs):
