@@ -135,6 +135,43 @@ def test_tiles_outside_documents_are_never_read():
   chex.assert_trees_all_close(tuple(mid(x) for x in got), want, rtol=1e-5, atol=1e-5)
 
 
+def numpy_max_logits(q, k, seg):
+  """Float64 per-head max of SCALE q.k over the causal pairs inside each document."""
+  q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  best = np.full(q.shape[2], -np.inf)
+  for b in range(q.shape[0]):
+    cuts = [0, *(np.flatnonzero(np.diff(seg[b])) + 1), q.shape[1]]
+    for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+      s = np.einsum("thd,shd->hts", q[b, lo:hi], k[b, lo:hi]) * SCALE
+      s = np.where(np.tril(np.ones((hi - lo, hi - lo), bool)), s, -np.inf)
+      best = np.maximum(best, s.max(axis=(1, 2)))
+  return best
+
+
+@pytest.mark.parametrize("lengths", [[[T], [T]], [[40, 1, 2], [5, 70]]])
+def test_max_logit_matches_float64_and_leaves_gradients_alone(lengths):
+  """QK-clip's statistic from the forward kernel (and from the dense reference): per head, the largest
+  visible logit of any row, padding rows excluded (T=83 pads to 96). Two keys of row 0 are aligned with
+  the query at position 50: one later in time (60) and one earlier (5, another document in the second
+  layout), so a kernel that looked ahead, or across documents, would report a logit the reference
+  does not. The gradients of o do not change when the max is also asked for."""
+  q, k, v, do = inputs(5)
+  q = q * jnp.array([1.0, 4.0])[None, None, :, None]  # heads far apart
+  seg = np.stack([segments_from_lengths(row, T) for row in lengths])
+  k = k.at[0, 60].set(5.0 * q[0, 50]).at[0, 5].set(4.0 * q[0, 50])
+  want = numpy_max_logits(q, k, seg)
+  for impl in ("interpret", "xla"):
+    def f(q, k, v, impl=impl):
+      return document_attention(q, k, v, jnp.asarray(seg), scale=SCALE, implementation=impl,
+                                blocks=SMALL, return_max_logit=True)
+    (o, max_H), vjp = jax.vjp(f, q, k, v)
+    np.testing.assert_allclose(max_H, want, rtol=1e-5)
+    assert max_H.dtype == jnp.float32
+    grads = vjp((do, jnp.ones_like(max_H)))  # a cotangent on the max is ignored
+    chex.assert_trees_all_close((o, *grads), fwd_and_grads(impl)(q, k, v, do, jnp.asarray(seg)),
+                                rtol=1e-6, atol=1e-6)
+
+
 def test_bad_inputs_raise():
   q, k, v, _ = inputs(0)
   with pytest.raises(ValueError, match="implementation"):

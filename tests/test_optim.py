@@ -260,11 +260,14 @@ def _mla_case():
 
   @jax.jit
   def project(params):
-    """Queries [B,T,H,K] and the kv latent [B,T,C], and the layer's own sown max logits."""
+    """Queries [B,T,H,K] and the kv latent [B,T,C], and the layer's own sown max logits: through XLA
+    attention and the blocked `max_logits` pass, and through the Pallas kernels (interpret mode),
+    whose forward pass reports them."""
     q = mla.apply({"params": params}, x, method=GatedMLA.queries)
     c = mla.apply({"params": params}, x, method=GatedMLA.kv_latent)
-    _, stats = mla.apply({"params": params}, x, seg, mutable=["attn_stats"])
-    return q, c, stats["attn_stats"]["max_logit"][0]
+    sown = [m.apply({"params": params}, x, seg, mutable=["attn_stats"])[1]["attn_stats"]["max_logit"][0]
+            for m in (mla, GatedMLA(cfg, attention_impl="interpret"))]
+    return q, c, sown
 
   return cfg, params, seg, project
 
@@ -286,8 +289,9 @@ def test_qk_clip_brings_hot_heads_to_tau_and_leaves_the_rest():
   m_H = _reference_max_logits(project, params, seg, scale)
   # The layer's own statistic (what the train step feeds QK-clip) and `max_logits` over blocks
   # smaller than the row both match the reference.
-  q, c, sown_H = project(params)
-  np.testing.assert_allclose(sown_H, m_H, rtol=1e-5)
+  q, c, sown = project(params)
+  for sown_H in sown:
+    np.testing.assert_allclose(sown_H, m_H, rtol=1e-5)
   k = jnp.einsum("btc,chk->bthk", c, params["w_uk"])
   blocked = jax.jit(max_logits, static_argnums=(3, 4))(q, k, document_ids(seg), scale, 8)
   np.testing.assert_allclose(blocked, m_H, rtol=1e-5)

@@ -30,8 +30,9 @@ def init_mla_cache(cfg: ml_collections.FrozenConfigDict, batch: int, max_len: in
 def max_logits(q_BTHK, k_BTHK, doc_BT, scale: float, chunk: int = 512):
   """Per-head max pre-softmax logit over causal same-document pairs, float32 [H], no gradient.
 
-  For QK-clip. The fused attention kernels never expose their logits, so this is one extra QK^T
-  pass, over [chunk, chunk] blocks so that its memory stays [B,H,chunk,chunk] at any length.
+  For QK-clip where the attention cannot report it (cuDNN, XLA): one extra QK^T pass, over
+  [chunk, chunk] blocks so that its memory stays [B,H,chunk,chunk] at any length. The Pallas
+  kernels return it from their forward pass instead (`document_attention(return_max_logit=True)`).
   """
   q_BTHK, k_BTHK = jax.lax.stop_gradient(q_BTHK), jax.lax.stop_gradient(k_BTHK)
   B, T, H, _ = q_BTHK.shape
@@ -124,11 +125,13 @@ class GatedMLA(nn.Module):
       return "xla"
     return "pallas" if packed else "cudnn"
 
-  def attention(self, q_BTHK, k_BTHK, v_BTHV, doc_BT, scale: float):
-    """Causal attention within documents (doc_BT None: one document per row). [B,T,H,V]."""
+  def attention(self, q_BTHK, k_BTHK, v_BTHV, doc_BT, scale: float, max_logit: bool = False):
+    """Causal attention within documents (doc_BT None: one document per row). [B,T,H,V], and with
+    max_logit also the per-head max logit [H] (float32, no gradient) for QK-clip."""
     impl = self.implementation(doc_BT is not None)
     if impl in ("pallas", "interpret"):
-      return document_attention(q_BTHK, k_BTHK, v_BTHV, doc_BT, scale=scale, implementation=impl)
+      return document_attention(q_BTHK, k_BTHK, v_BTHV, doc_BT, scale=scale, implementation=impl,
+                                return_max_logit=max_logit)
     # cuDNN wants keys and values of one width; zero columns change neither the logits (q.k) nor the
     # kept output columns, and the scale is passed explicitly.
     V, width = v_BTHV.shape[-1], max(q_BTHK.shape[-1], v_BTHV.shape[-1])
@@ -140,8 +143,13 @@ class GatedMLA(nn.Module):
     # into an additive bias and still skips the upper triangle. Every query sees itself, so no row
     # is fully masked. Checked on the H200 (bf16, T=1024, 3 documents): cuDNN matches XLA.
     mask_B1TT = None if doc_BT is None else doc_BT[:, None, :, None] == doc_BT[:, None, None, :]
-    return jax.nn.dot_product_attention(q_BTHW, k_BTHW, v_BTHW, mask=mask_B1TT, scale=scale,
-                                        is_causal=True, implementation=impl)[..., :V]
+    o_BTHV = jax.nn.dot_product_attention(q_BTHW, k_BTHW, v_BTHW, mask=mask_B1TT, scale=scale,
+                                          is_causal=True, implementation=impl)[..., :V]
+    if not max_logit:
+      return o_BTHV
+    B, T = q_BTHK.shape[:2]
+    return o_BTHV, max_logits(q_BTHK, k_BTHK, jnp.zeros((B, T), jnp.int32) if doc_BT is None else doc_BT,
+                              scale)
 
   def __call__(self, x_BTD, segment_ids_BT=None):
     check_input(x_BTD, self.cfg.d_model, "GatedMLA")
@@ -157,10 +165,11 @@ class GatedMLA(nn.Module):
     if segment_ids_BT is not None:
       check_segment_ids(segment_ids_BT, B, T)
       doc_BT = document_ids(segment_ids_BT)
-    o_BTHV = self.attention(q_BTHK, k_BTHK, v_BTHV, doc_BT, K ** -0.5)
-    if self.is_mutable_collection("attn_stats"):  # asked for by QK-clip only: it costs a QK^T pass
-      doc_BT = jnp.zeros((B, T), jnp.int32) if doc_BT is None else doc_BT
-      self.sow("attn_stats", "max_logit", max_logits(q_BTHK, k_BTHK, doc_BT, K ** -0.5))
+    if self.is_mutable_collection("attn_stats"):  # asked for by QK-clip only
+      o_BTHV, max_H = self.attention(q_BTHK, k_BTHK, v_BTHV, doc_BT, K ** -0.5, max_logit=True)
+      self.sow("attn_stats", "max_logit", max_H)
+    else:
+      o_BTHV = self.attention(q_BTHK, k_BTHK, v_BTHV, doc_BT, K ** -0.5)
     return self.gated_output(x_BTD, o_BTHV)
 
   def decode(self, x_BSD, cache):

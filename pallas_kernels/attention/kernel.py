@@ -7,6 +7,8 @@ over that span, which for packed rows of short documents is a band around the di
 whole causal triangle. Masks inside the span are exact (same document and causal).
 
 Softmax runs in base 2 (scores scaled by log2 e) and the forward pass saves the base-2 log-sum-exp.
+It also writes each query's largest visible score (base 2), which QK-clip needs and which the online
+softmax has at hand: a [BH, T] float32 write instead of a second Q K^T pass.
 """
 
 import math
@@ -18,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 _F32 = jnp.float32
-_LOG2E = math.log2(math.e)
+LOG2E = math.log2(math.e)
 # Finite, so a query row with no visible key in the first block visited does not produce inf - inf;
 # its diagonal block, visited later, rescales what that block added by exp2(_MASKED - m) = 0.
 _MASKED = -1e30
@@ -37,7 +39,7 @@ def _visible(q_doc, q_pos, k_doc, k_pos):
   return (q_doc[:, None] == k_doc[None, :]) & (q_pos[:, None] >= k_pos[None, :])
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, doc_ref, start_ref, o_ref, lse_ref, *, bq, bk, scale):
+def _forward_kernel(q_ref, k_ref, v_ref, doc_ref, start_ref, o_ref, lse_ref, max_ref, *, bq, bk, scale):
   i = pl.program_id(0)
   q = q_ref[...]
   q_pos = i * bq + jnp.arange(bq)
@@ -46,7 +48,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, doc_ref, start_ref, o_ref, lse_ref, *, 
   def visit(j, carry):
     acc, m, l = carry
     k_pos = j * bk + jnp.arange(bk)
-    s = _dot(q, k_ref[pl.ds(j * bk, bk), :], _NT) * (scale * _LOG2E)
+    s = _dot(q, k_ref[pl.ds(j * bk, bk), :], _NT) * (scale * LOG2E)
     s = jnp.where(_visible(q_doc, q_pos, doc_ref[pl.ds(j * bk, bk)], k_pos), s, _MASKED)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     rescale = jnp.exp2(m - m_new)
@@ -60,6 +62,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, doc_ref, start_ref, o_ref, lse_ref, *, 
   acc, m, l = lax.fori_loop(first, stop, visit, init)
   o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
   lse_ref[...] = m + jnp.log2(l)
+  max_ref[...] = m
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, doc_ref, start_ref, dq_ref, *, bq, bk,
@@ -73,7 +76,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, doc_ref, start_r
   def visit(j, dq):
     k_pos = j * bk + jnp.arange(bk)
     k = k_ref[pl.ds(j * bk, bk), :]
-    s = _dot(q, k, _NT) * (scale * _LOG2E)
+    s = _dot(q, k, _NT) * (scale * LOG2E)
     keep = _visible(q_doc, q_pos, doc_ref[pl.ds(j * bk, bk)], k_pos)
     p = jnp.where(keep, jnp.exp2(s - lse[:, None]), 0.0)
     dp = _dot(do, v_ref[pl.ds(j * bk, bk), :], _NT)
@@ -97,7 +100,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, doc_ref, end_re
     q_pos = i * bq + jnp.arange(bq)
     q = q_ref[pl.ds(i * bq, bq), :]
     do = do_ref[pl.ds(i * bq, bq), :]
-    s = _dot(q, k, _NT) * (scale * _LOG2E)
+    s = _dot(q, k, _NT) * (scale * LOG2E)
     keep = _visible(doc_ref[pl.ds(i * bq, bq)], q_pos, k_doc, k_pos)
     p = jnp.where(keep, jnp.exp2(s - lse_ref[pl.ds(i * bq, bq)][:, None]), 0.0)
     dv = dv + _dot(p.astype(do.dtype), do, _TN)
@@ -122,7 +125,7 @@ def _row(heads):
 
 
 def forward(q, k, v, doc, start, *, heads, blocks, scale, interpret):
-  """(o [BH,T,V] in q's dtype, lse [BH,T] float32, base 2)."""
+  """(o [BH,T,V] in q's dtype, lse [BH,T] and each row's largest visible score [BH,T], float32, base 2)."""
   BH, T, D = q.shape
   V = v.shape[-1]
   bq, bk = blocks.fwd_q, blocks.fwd_k
@@ -133,8 +136,8 @@ def forward(q, k, v, doc, start, *, heads, blocks, scale, interpret):
       lambda *refs: _forward_kernel(*refs, bq=bq, bk=bk, scale=scale),
       grid=(T // bq, BH),
       in_specs=[tile(bq, D), whole(D), whole(V), row(T), row(T)],
-      out_specs=[tile(bq, V), pl.BlockSpec((None, bq), lambda blk, bh: (bh, blk))],
-      out_shape=[jax.ShapeDtypeStruct((BH, T, V), q.dtype), jax.ShapeDtypeStruct((BH, T), _F32)],
+      out_specs=[tile(bq, V)] + [pl.BlockSpec((None, bq), lambda blk, bh: (bh, blk))] * 2,
+      out_shape=[jax.ShapeDtypeStruct((BH, T, V), q.dtype)] + [jax.ShapeDtypeStruct((BH, T), _F32)] * 2,
       compiler_params=_params(blocks.fwd_warps, blocks.fwd_stages), interpret=interpret,
       name="document_attention_fwd")(q, k, v, doc, start)
 

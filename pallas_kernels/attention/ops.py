@@ -49,11 +49,14 @@ class Blocks:
 
 
 def document_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: float,
-                       implementation: str = "pallas", blocks: Blocks | None = None):
+                       implementation: str = "pallas", blocks: Blocks | None = None,
+                       return_max_logit: bool = False):
   """softmax(scale q k^T) v over the keys j <= i in query i's document; [B, T, H, V] in q's dtype.
 
   segment_ids_BT None means one document per row. Work and memory grow with T times the document
   length (the whole causal triangle for a single document), never with T^2 tiles outside documents.
+  return_max_logit: also return, per head, the largest logit scale q.k over every visible pair of
+  every row, float32 [H] without gradient (QK-clip's statistic); the kernels' online softmax has it.
   """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
@@ -68,7 +71,8 @@ def document_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: fl
       raise ValueError(f"segment_ids must be an integer [B,T]=({B}, {T}) array, got "
                        f"{segment_ids_BT.dtype}{tuple(segment_ids_BT.shape)}")
   if implementation == "xla":
-    return document_attention_reference(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT, scale=scale)
+    return document_attention_reference(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT, scale=scale,
+                                        return_max_logit=return_max_logit)
   if implementation == "pallas" and jax.default_backend() != "gpu":
     raise ValueError(f"implementation='pallas' needs a GPU backend, not {jax.default_backend()!r}; use "
                      "'interpret' (Pallas interpret mode) or 'xla'")
@@ -90,8 +94,13 @@ def document_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: fl
     return x_BTHW.transpose(0, 2, 1, 3).reshape(B * H, T + pad, width)
 
   st = _Static(H, blocks, float(scale), implementation == "interpret")
-  o = _attention_jit(st, to_rows(q_BTHD), to_rows(k_BTHD), to_rows(v_BTHV), doc_BT)
-  return o.reshape(B, H, T + pad, -1).transpose(0, 2, 1, 3)[:, :T, :, :v_BTHV.shape[-1]]
+  o, row_max = _attention_jit(st, to_rows(q_BTHD), to_rows(k_BTHD), to_rows(v_BTHV), doc_BT)
+  o_BTHV = o.reshape(B, H, T + pad, -1).transpose(0, 2, 1, 3)[:, :T, :, :v_BTHV.shape[-1]]
+  if not return_max_logit:
+    return o_BTHV
+  # Base-2 scores back to logits; the padding rows (a document of their own) are left out.
+  max_H = jnp.max(row_max.reshape(B, H, T + pad)[:, :, :T], axis=(0, 2)) / kernel.LOG2E
+  return o_BTHV, jax.lax.stop_gradient(max_H)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +124,9 @@ def _spans(doc_BT):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(st: _Static, q, k, v, doc):
-  return _forward(st, q, k, v, doc)[0]
+  """(o, each row's largest visible score in base 2); the second output carries no gradient."""
+  o, _, row_max = _forward(st, q, k, v, doc)
+  return o, row_max
 
 
 def _forward(st, q, k, v, doc):
@@ -125,12 +136,13 @@ def _forward(st, q, k, v, doc):
 
 
 def _attention_fwd(st, q, k, v, doc):
-  o, lse = _forward(st, q, k, v, doc)
-  return o, (q, k, v, doc, o, lse)
+  o, lse, row_max = _forward(st, q, k, v, doc)
+  return (o, row_max), (q, k, v, doc, o, lse)
 
 
-def _attention_bwd(st, res, do):
+def _attention_bwd(st, res, cts):
   q, k, v, doc, o, lse = res
+  do, _ = cts  # the row maxima feed QK-clip only, which does not differentiate them
   do = do.astype(o.dtype)
   delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
   start, end = _spans(doc)
