@@ -187,6 +187,18 @@ def table(events, names: dict[str, str], calls: int, wall_ms: float | None = Non
   return lines
 
 
+def write_ops(path: str, events, names: dict[str, str], calls: int):
+  """Every op's time per call, costliest first, as tab-separated op, ms, part, direction, name stack:
+  the whole list behind `table`'s top few, for reading offline."""
+  a = attribute(events, names)
+  with open(path, "w") as f:
+    f.write("op\tms_per_call\tpart\tdirection\tname_stack\n")
+    for op, us in a["ops"].most_common():
+      stack = a["op_names"].get(op, "")
+      part, direction = model_part(stack) if stack else ("unattributed kernels", "")
+      f.write(f"{op}\t{us / 1e3 / calls:.4f}\t{part}\t{direction}\t{stack}\n")
+
+
 def trace_steps(step, state, batch, calls: int, log_dir: str):
   """Runs `state, _ = step(state, batch)` `calls` times under the profiler. Returns the kernel events
   of the step's module (the one that took the most time; the trace also holds small transfers) and

@@ -222,7 +222,10 @@ def _time_steps(step, state, batch, steps, optimizer, warmup: int, profile_dir: 
   if profile_dir:
     log(f"tracing {PROFILED_STEPS} steps into {profile_dir}")
     events, state = profile_lib.trace_steps(step, state, batch, PROFILED_STEPS, profile_dir)
-    profile = profile_lib.table(events, profile_lib.op_names(step.as_text()), PROFILED_STEPS, seconds * 1e3)
+    names = profile_lib.op_names(step.as_text())
+    profile = profile_lib.table(events, names, PROFILED_STEPS, seconds * 1e3)
+    profile_lib.write_ops(os.path.join(profile_dir, "ops.tsv"), events, names, PROFILED_STEPS)
+    log(f"every op's time: {os.path.join(profile_dir, 'ops.tsv')}")
   return {"step_s": seconds, "compile_s": compile_s, "loss": loss, "params": state.params,
           "dropped": float(metrics.get("moe/dropped", 0.0)), "optimizer": optimizer, "state": state,
           "profile": profile}
@@ -478,6 +481,10 @@ def main():
   # A kernel launched from a CUDA graph is traced without its HLO op, so the profile runs without them.
   no_graphs = "--xla_gpu_enable_command_buffer=" if args.only == "profile" else ""
   os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), XLA_FLAGS, no_graphs])
+  # Parameters drawn with the RBG generator (XLA's RngBitGenerator) instead of threefry: the same
+  # distributions, and the state's initialisation, which compiled threefry for each of several hundred
+  # parameters, took 138 s on the H200 before the step could start (2026-12-03); training keeps threefry.
+  jax.config.update("jax_default_prng_impl", "rbg")
   if args.smoke:
     args.long_seq, args.steps, args.mean_doc = min(args.long_seq, 1024), min(args.steps, 2), 100
   if args.long_child:
