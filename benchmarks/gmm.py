@@ -39,6 +39,10 @@ MM_TILES = [(128, 64, 128, 4, 4), (128, 64, 256, 8, 3), (64, 64, 128, 4, 4), (64
 T_TILES = [(64, 128, 128, 8, 3), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3), (32, 128, 128, 4, 4),
            (64, 128, 256, 8, 3)]
 SMOKE_TILES = [(16, 16, 16, 4, 2), (32, 16, 32, 4, 2)]
+# More candidates for --sweep-only, which looks at the short contractions of the step's experts.
+MM_TILES_WIDE = MM_TILES + [(128, 32, 256, 8, 4), (256, 64, 128, 8, 3), (128, 64, 256, 8, 4),
+                            (128, 128, 256, 8, 2), (64, 64, 256, 4, 4), (128, 64, 128, 4, 3)]
+T_TILES_WIDE = T_TILES + [(128, 64, 256, 8, 3), (64, 64, 256, 8, 4), (128, 128, 256, 8, 2)]
 SECTION = "Grouped matmul"
 TOL = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float32): 5e-3}  # vs the float32 reference
 
@@ -272,14 +276,35 @@ def fusion(shape, op, log):
           f"(default tiles): {t_two * 1e3:.3f} ms vs {t_one * 1e3:.3f} ms ({t_two / t_one:.2f}x)."]
 
 
+def sweep_only(args):
+  """--sweep-only: each kernel's tiles alone at the given shapes; prints, writes nothing."""
+  log = functools.partial(print, flush=True)
+  for text in args.shapes:
+    g, m, k, n = (int(v) for v in text.split(","))
+    args_ = make_inputs(g, m, k, n, jnp.bfloat16)
+    log(f"== sweep G={g} M={m} K={k} N={n}")
+    tiling, secs = tune(args_, SMOKE_TILES if args.smoke else MM_TILES_WIDE,
+                        SMOKE_TILES if args.smoke else T_TILES_WIDE, args.smoke, log)
+    flops = 2.0 * m * k * n
+    for name, t, sec in zip(("forward", "dlhs", "drhs"), (tiling.fwd, tiling.dlhs, tiling.drhs), secs,
+                            strict=True):
+      log(f"  best {name}: {fmt_tile(t)}, {sec * 1e3:.3f} ms, {flops / sec / 1e12:.0f} TFLOP/s")
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--smoke", action="store_true", help="tiny shapes, Pallas interpret mode, CPU; no file")
   p.add_argument("--no-tune", action="store_true", help="skip the tile sweep; time the default tiles")
   p.add_argument("--out", default=None, help="markdown file to update (default BENCHMARKS.md on GPU)")
+  p.add_argument("--sweep-only", action="store_true", help="only the tile sweep at --shapes; no file")
+  p.add_argument("--shapes", nargs="+", default=["64,262144,512,1536", "64,262144,768,512"],
+                 metavar="G,M,K,N", help="with --sweep-only (default: the h200.py step's expert matmuls)")
   args = p.parse_args()
   if args.smoke:
     jax.config.update("jax_platforms", "cpu")
+  if args.sweep_only:
+    sweep_only(args)
+    return
   date = subprocess.run(["date", "-u"], capture_output=True, text=True).stdout.strip()
   lines, failures = run(args)
   dev = jax.devices()[0]
