@@ -91,6 +91,27 @@ def test_histogram_quantile_matches_exact_within_one_bin():
   np.testing.assert_array_equal(np.sum(np.asarray(values) > exact, axis=0), num_above)
 
 
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**16), rows=st.integers(2, 300), cols=st.integers(1, 5),
+       frac=st.floats(0.0, 1.0), levels=st.sampled_from([0, 3, 50]))
+def test_exact_threshold_is_the_midpoint_of_the_sorted_column(seed, rows, cols, frac, levels):
+  """Radix selection against a sort: the midpoint of the q-th and (q+1)-th largest of each column,
+  q clipped to [1, rows - 1], with negative and positive values, signed zeros and (levels > 0)
+  many ties."""
+  rng = np.random.default_rng(seed)
+  v = rng.standard_normal((rows, cols)) * 10.0 ** rng.integers(-3, 4, cols)
+  if levels:
+    v = np.round(v * levels) / levels
+  v = v.astype(np.float32)
+  v[rng.random(v.shape) < 0.05] = -0.0
+  num_above = frac * rows
+  q = min(max(round(num_above), 1), rows - 1)
+  desc = -np.sort(-v, axis=0)
+  want = np.float32(0.5) * (desc[q - 1] + desc[q])
+  got = np.asarray(jax.jit(balance.exact_threshold, static_argnums=1)(jnp.asarray(v), num_above))
+  np.testing.assert_array_equal(got, want)
+
+
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 2**16), rows_per_shard=st.sampled_from([4, 16, 64]),
        bins=st.sampled_from([16, 64, 512]), frac=st.floats(0.02, 0.9))
