@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import GROUPED_MATMULS
-from moejax.layers.ffn import situ_glu
+from moejax.layers.ffn import situ_glu_packed
 from pallas_kernels.gmm import gmm
 
 
@@ -26,12 +26,12 @@ def grouped_situ_glu(x_RL, group_sizes_G, w_gate_GLF, w_up_GLF, w_down_GFL, b1: 
   """
   if implementation not in GROUPED_MATMULS:
     raise ValueError(f"grouped matmul implementation {implementation!r} not in {GROUPED_MATMULS}")
-  dtype, f = x_RL.dtype, w_gate_GLF.shape[2]
+  dtype = x_RL.dtype
   gs = group_sizes_G.astype(jnp.int32)
   impl = None if implementation == "auto" else implementation
   rdot = lambda a, w: gmm(a, w.astype(dtype), gs, preferred_element_type=dtype, implementation=impl)
   gate_up_RF2 = rdot(x_RL, jnp.concatenate([w_gate_GLF, w_up_GLF], axis=2))
-  h_RF = situ_glu(gate_up_RF2[:, :f], gate_up_RF2[:, f:], b1, b2)
+  h_RF = situ_glu_packed(gate_up_RF2, b1, b2)
   return rdot(h_RF, w_down_GFL)
 
 
