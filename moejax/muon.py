@@ -54,10 +54,14 @@ def newton_schulz(x_MN: jax.Array, steps: int = NS_STEPS, eps: float = 1e-8) -> 
   norm = jnp.sqrt(jnp.sum(jnp.square(x_MN.astype(jnp.float32)), axis=(-2, -1), keepdims=True))
   x_MN = (x_MN.astype(jnp.float32) / (norm + eps)).astype(x_MN.dtype)
   a, b, c = NS_COEFFS
+  m = x_MN.shape[-2]
+  a_eye_MM = a * jnp.eye(m, dtype=x_MN.dtype)
   for _ in range(steps):
     s_MM = jnp.einsum("...mn,...kn->...mk", x_MN, x_MN)
-    p_MM = b * s_MM + c * jnp.einsum("...mk,...kj->...mj", s_MM, s_MM)
-    x_MN = a * x_MN + jnp.einsum("...mk,...kn->...mn", p_MM, x_MN)
+    # a X + (b S + c S^2) X as (a I + b S + c S^2) X: the element-wise work is on the m x m matrix
+    # instead of the m x n one, and the last product needs none after it.
+    p_MM = a_eye_MM + b * s_MM + c * jnp.einsum("...mk,...kj->...mj", s_MM, s_MM)
+    x_MN = jnp.einsum("...mk,...kn->...mn", p_MM, x_MN)
   return jnp.swapaxes(x_MN, -2, -1) if transpose else x_MN
 
 
