@@ -16,6 +16,7 @@ GROUPED_MATMULS = ("auto", "xla", "pallas", "interpret")
 MLA_ATTENTIONS = ("auto", "xla", "cudnn", "pallas", "interpret")
 RESIDUAL_MODES = ("attnres", "residual")
 KDA_IMPLEMENTATIONS = (None, "xla", "pallas", "interpret", "recurrent")
+CONV_IMPLEMENTATIONS = (None, "xla", "pallas", "interpret")
 
 
 class ConfigError(ValueError):
@@ -60,6 +61,9 @@ def base_config() -> ml_collections.ConfigDict:
   # the conv history carry over between passes, each rematerialised; must divide T. For very long rows.
   k.seq_chunk = 0
   k.implementation = ml_collections.FieldReference(None, field_type=str)
+  # The short convolution + SiLU (pallas_kernels.short_conv). None: Pallas where the recurrence runs
+  # its Pallas kernels ("pallas", "interpret", or None on GPU), XLA otherwise.
+  k.conv_implementation = ml_collections.FieldReference(None, field_type=str)
 
   a = m.mla = ml_collections.ConfigDict()
   a.num_heads = 4
@@ -207,6 +211,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
        f"model.kda.chunk_size={k.chunk_size} must be a positive multiple of the 16-token tile")
   need(k.implementation in KDA_IMPLEMENTATIONS,
        f"model.kda.implementation={k.implementation!r} not in {KDA_IMPLEMENTATIONS}")
+  need(k.conv_implementation in CONV_IMPLEMENTATIONS,
+       f"model.kda.conv_implementation={k.conv_implementation!r} not in {CONV_IMPLEMENTATIONS}")
   need(k.conv_size >= 1, "model.kda.conv_size must be >= 1")
   need(isinstance(k.seq_chunk, int) and k.seq_chunk >= 0 and k.seq_chunk % k.chunk_size == 0
        and (k.seq_chunk == 0 or k.seq_chunk >= k.conv_size),

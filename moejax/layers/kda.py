@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from moejax.layers.short_conv import check_segment_ids, document_ids, short_conv
+from moejax.layers.short_conv import check_segment_ids, conv_silu, document_ids
 from moejax.nn import check_input, kernel_init, logical_param, matmul, rms_norm
 from pallas_kernels.kda import chunk_kda
 
@@ -154,6 +154,16 @@ class KDA(nn.Module):
     return merge(y_NBCD), (merge(g_NBCHK) if want_g else None)
 
 
+def conv_implementation(kc) -> str:
+  """model.kda.conv_implementation, or by default the recurrence's choice: Pallas kernels where KDA
+  runs its own (implementation None on GPU, "pallas", "interpret"), XLA where it runs "xla" or
+  "recurrent"."""
+  if kc.get("conv_implementation") is not None:
+    return kc.conv_implementation
+  impl = kc.implementation or ("pallas" if jax.default_backend() == "gpu" else "xla")
+  return impl if impl in ("pallas", "interpret") else "xla"
+
+
 def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
   """The KDA mixer on x [B,T,D] with params p: (y_BTD, g_BTHK, carry after the last position).
 
@@ -166,17 +176,20 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
   # With a carry, the convolution reaches back into the previous piece's last w = W-1 tokens: it runs
   # over those and this piece, and the last w of that extended row are what the next piece needs.
   w = 0 if carry is None else carry.tail_doc_BW.shape[1]
+  conv_impl = conv_implementation(kc)
   doc_ext = doc_BT if carry is None else jnp.concatenate([carry.tail_doc_BW, doc_BT], axis=1)
 
   def conv_branch(name):
     ext_BTHK = matmul("btd,dhk->bthk", x_BTD, p[f"w_{name}"], dtype)
     if carry is not None:
       ext_BTHK = jnp.concatenate([carry.tails[name].astype(ext_BTHK.dtype), ext_BTHK], axis=1)
-    y = short_conv(ext_BTHK, p[f"conv_{name}"], doc_ext)[:, w:]
-    # The barrier keeps XLA:GPU from fusing the shifted taps into the l2 norm's reduction: that fusion
-    # (q and k together, with the activations for the backward pass as extra outputs) took 3.5 ms per
-    # layer on the H200 step, about 25x what its bytes need.
-    y = jax.lax.optimization_barrier(jax.nn.silu(y.astype(jnp.float32)))
+    y = conv_silu(ext_BTHK, p[f"conv_{name}"], doc_ext, implementation=conv_impl,
+                  out_dtype=jnp.float32)[:, w:]
+    if conv_impl == "xla":
+      # The barrier keeps XLA:GPU from fusing the shifted taps into the l2 norm's reduction: that
+      # fusion (q and k together, with the activations for the backward pass as extra outputs) took
+      # 3.5 ms per layer on the H200 step, about 25x what its bytes need.
+      y = jax.lax.optimization_barrier(y)
     return y, ext_BTHK[:, ext_BTHK.shape[1] - w:]
 
   # The named scopes label this layer's parts in profiles (benchmarks/profile.py).

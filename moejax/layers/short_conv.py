@@ -3,8 +3,9 @@
 import jax.numpy as jnp
 
 from pallas_kernels.segments import document_ids
+from pallas_kernels.short_conv import conv_silu, short_conv
 
-__all__ = ["check_segment_ids", "document_ids", "short_conv"]
+__all__ = ["check_segment_ids", "conv_silu", "document_ids", "short_conv"]
 
 
 def check_segment_ids(segment_ids_BT, batch: int, length: int):
@@ -14,36 +15,3 @@ def check_segment_ids(segment_ids_BT, batch: int, length: int):
     raise ValueError(f"segment_ids must have shape [B,T]=({batch}, {length}), got {shape}")
   if not jnp.issubdtype(segment_ids_BT.dtype, jnp.integer):
     raise ValueError(f"segment_ids must be an integer array, got dtype {segment_ids_BT.dtype}")
-
-
-def _shift_right(x, lag: int, fill):
-  """x shifted by `lag` positions along axis 1, the first `lag` entries set to `fill`."""
-  if lag == 0:
-    return x
-  pad = jnp.full((x.shape[0], lag, *x.shape[2:]), fill, x.dtype)
-  return jnp.concatenate([pad, x[:, :-lag]], axis=1)
-
-
-def short_conv(x_BTC, w_WC, doc_BT=None):
-  """Causal depthwise convolution y_t = sum_j w[j] x_{t-(W-1)+j}, restarted at document starts.
-
-  The last tap w[W-1] multiplies the current token (the layout of a depthwise causal Conv1d), so
-  weights are comparable with PyTorch checkpoints. Taps that would reach into an earlier document
-  (or before position 0) contribute zero, exactly as if each document were run alone.
-  x_BTC may carry extra channel axes (e.g. [B,T,H,K] with w [W,H,K]). Accumulates in float32 and
-  returns x's dtype. W is small (4), so a static loop over taps is W shifted multiply-adds.
-  """
-  W = w_WC.shape[0]
-  if tuple(w_WC.shape[1:]) != tuple(x_BTC.shape[2:]):
-    raise ValueError(f"short_conv: weight channels {w_WC.shape[1:]} do not match input channels "
-                     f"{x_BTC.shape[2:]}")
-  x32 = x_BTC.astype(jnp.float32)
-  w32 = w_WC.astype(jnp.float32)
-  y = jnp.zeros_like(x32)
-  for lag in range(min(W, x_BTC.shape[1])):
-    tap = _shift_right(x32, lag, 0.0)
-    if doc_BT is not None:
-      same_BT = _shift_right(doc_BT, lag, -1) == doc_BT
-      tap = tap * same_BT.reshape(*same_BT.shape, *(1,) * (x_BTC.ndim - 2))
-    y = y + tap * w32[W - 1 - lag]
-  return y.astype(x_BTC.dtype)

@@ -1,0 +1,92 @@
+"""The KDA layer's short convolution + SiLU: Pallas kernels vs the XLA reference with autodiff.
+
+    python3 benchmarks/short_conv.py --out BENCHMARKS.md     # GPU: checks, times, writes the section
+    python3 benchmarks/short_conv.py --smoke                 # CPU: tiny shapes in interpret mode, prints
+
+At the h200.py step's shape per branch (B=4 T=8192, 8 heads of 128 channels, W=4, bf16, packed documents
+of geometric length, mean 2048). Both run forward (x -> silu(conv), float32 out, as the layer takes it)
+and forward + backward (dx, dw). Bytes: x read and y written once forward; x and dy read, dx written
+backward. Relative errors against the XLA path on float32 copies of the same inputs.
+"""
+
+import argparse
+import datetime
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.report import replace_section  # noqa: E402
+from benchmarks.timing import copy_bandwidth, time_ms  # noqa: E402
+from pallas_kernels.short_conv import conv_silu  # noqa: E402
+
+SECTION = "Short convolution"
+
+
+def fwd_bwd(impl):
+  def f(x, w, doc, dy):
+    y, vjp = jax.vjp(lambda x, w: conv_silu(x, w, doc, implementation=impl, out_dtype=jnp.float32), x, w)
+    return (y, *vjp(dy))
+  return jax.jit(f)
+
+
+def fwd(impl):
+  return jax.jit(lambda x, w, doc: conv_silu(x, w, doc, implementation=impl, out_dtype=jnp.float32))
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--smoke", action="store_true")
+  p.add_argument("--out", default=None, help="markdown file to update (GPU runs)")
+  args = p.parse_args()
+  B, T, H, K = (1, 100, 2, 16) if args.smoke else (4, 8192, 8, 128)
+  ours = "interpret" if args.smoke else "pallas"
+  if not args.smoke and jax.default_backend() != "gpu":
+    sys.exit("benchmarks/short_conv.py needs a GPU; use --smoke on the CPU")
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((4, H, K)) * 0.5, jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.float32)
+  doc = jnp.asarray(np.cumsum(rng.random((B, T)) < 1 / 2048, axis=1), jnp.int32)
+
+  want = fwd_bwd("xla")(x.astype(jnp.float32), w, doc, dy)
+  rows, times = [], {}
+  for name, impl in ((f"ours ({ours})", ours), ("XLA reference + autodiff", "xla")):
+    got = fwd_bwd(impl)(x, w, doc, dy)
+    errs = " / ".join(f"{rel(a, b):.1e}" for a, b in zip(got, want, strict=True))
+    tf, tb = time_ms(fwd(impl), x, w, doc), time_ms(fwd_bwd(impl), x, w, doc, dy)
+    times[impl] = (tf, tb)
+    rows.append((name, tf, tb, errs))
+    print(f"{name}: fwd {tf:.3f} ms, fwd+bwd {tb:.3f} ms, rel err y / dx / dw {errs}", flush=True)
+  n = B * T * H * K
+  bytes_fwd, bytes_bwd = n * (2 + 4), n * (2 + 4 + 2)
+  bw = None if args.smoke else copy_bandwidth()
+  floor = "" if bw is None else (f" Floor at the measured copy rate ({bw / 1e12:.2f} TB/s): forward "
+                                 f"{bytes_fwd / bw * 1e3:.3f} ms, forward + backward "
+                                 f"{(bytes_fwd + bytes_bwd) / bw * 1e3:.3f} ms.")
+  lines = [f"Command: `python3 benchmarks/short_conv.py {' '.join(sys.argv[1:])}`  ",
+           f"Date: {datetime.date.today()}, device: {jax.devices()[0].device_kind}.", "",
+           f"B={B} T={T} H={H} K={K} (one of the KDA layer's q/k/v branches in `experiments/h200.py`), "
+           f"W=4, bf16 in, float32 out, packed documents (mean length 2048).{floor}", "",
+           "| implementation | fwd ms | fwd+bwd ms | rel err y / dx / dw vs float32 XLA |",
+           "|---|---|---|---|"]
+  lines += [f"| {n_} | {tf:.3f} | {tb:.3f} | {e} |" for n_, tf, tb, e in rows]
+  r = [times["xla"][i] / times[ours][i] for i in range(2)]
+  lines += ["", f"XLA time / ours: forward {r[0]:.2f}x, forward + backward {r[1]:.2f}x."]
+  print("\n".join(lines))
+  if args.out:
+    replace_section(args.out, SECTION, "\n".join(lines))
+    print(f"wrote the '{SECTION}' section of {args.out}")
+
+
+if __name__ == "__main__":
+  main()

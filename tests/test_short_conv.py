@@ -1,0 +1,110 @@
+"""conv_silu (pallas_kernels.short_conv): the Pallas kernels in interpret mode against the XLA reference
+with autodiff, forward and both gradients, on packed rows; the reference itself is tested against NumPy
+in test_kda_layer.py."""
+
+import chex
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from pallas_kernels.short_conv import Blocks, conv_silu
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+SMALL = Blocks(rows=16, cols=16)
+
+
+def fwd_and_grads(impl, x, w, doc, dy, blocks=SMALL, out_dtype=jnp.float32):
+  y, vjp = jax.vjp(lambda x, w: conv_silu(x, w, doc, implementation=impl, blocks=blocks,
+                                          out_dtype=out_dtype), x, w)
+  return (y, *vjp(dy))
+
+
+def segments(rng, B, T):
+  """Document ids of random lengths (1 to 12 tokens) per row."""
+  return jnp.asarray(np.stack([np.cumsum(rng.random(T) < 0.15) for _ in range(B)]), jnp.int32)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**16), T=st.integers(1, 70), channels=st.sampled_from([(24,), (2, 16), (3, 5)]),
+       W=st.sampled_from([2, 4]), packed=st.booleans())
+def test_interpret_matches_xla_reference(seed, T, channels, W, packed):
+  """float32: rows not a multiple of the row block, channel counts not a multiple of the column block
+  (padded inside), one or several channel axes, documents of a few tokens (and taps of length 1)."""
+  rng = np.random.default_rng(seed)
+  B = 2
+  x = jnp.asarray(rng.standard_normal((B, T, *channels)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((W, *channels)), jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((B, T, *channels)), jnp.float32)
+  doc = segments(rng, B, T) if packed else None
+  got = jax.jit(lambda *a: fwd_and_grads("interpret", *a))(x, w, doc, dy)
+  want = jax.jit(lambda *a: fwd_and_grads("xla", *a))(x, w, doc, dy)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_and_default_blocks():
+  """bf16 inputs with the default blocks: the kernel rounds the convolution to bf16 before the SiLU, as
+  the reference does, so the forward pass matches to bf16 output rounding and the gradients within
+  bf16 noise; dx comes back in bf16."""
+  rng = np.random.default_rng(0)
+  B, T, C = 2, 100, 160
+  x = jnp.asarray(rng.standard_normal((B, T, C)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((4, C)) * 0.5, jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((B, T, C)), jnp.bfloat16)
+  doc = segments(rng, B, T)
+  got = fwd_and_grads("interpret", x, w, doc, dy, Blocks(), jnp.bfloat16)
+  want = fwd_and_grads("xla", x, w, doc, dy, Blocks(), jnp.bfloat16)
+  assert got[1].dtype == jnp.bfloat16 and got[2].dtype == jnp.float32
+  for a, b in zip(got, want, strict=True):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2
+
+
+def test_documents_do_not_mix():
+  """NaN in every input of the first document: nothing of it reaches the second one's outputs or
+  gradients (a tap that crossed the boundary, forward or backward, would carry it)."""
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((1, 40, 16)), jnp.float32).at[:, :20].set(jnp.nan)
+  dy = jnp.asarray(rng.standard_normal((1, 40, 16)), jnp.float32).at[:, :20].set(jnp.nan)
+  w = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+  doc = jnp.asarray([[0] * 20 + [1] * 20], jnp.int32)
+  y, vjp = jax.vjp(lambda x: conv_silu(x, w, doc, implementation="interpret", blocks=SMALL), x)
+  (dx,) = vjp(dy)
+  want_y, want_vjp = jax.vjp(lambda x: conv_silu(x, w, None, implementation="xla"), x[:, 20:])
+  np.testing.assert_allclose(y[:, 20:], want_y, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(dx[:, 20:], want_vjp(dy[:, 20:])[0], rtol=1e-5, atol=1e-6)
+
+
+def test_bad_inputs_raise():
+  x, w = jnp.zeros((1, 8, 16)), jnp.zeros((4, 16))
+  with pytest.raises(ValueError, match="implementation"):
+    conv_silu(x, w, implementation="cuda")
+  with pytest.raises(ValueError, match="weight channels"):
+    conv_silu(x, jnp.zeros((4, 8)), implementation="interpret")
+  with pytest.raises(ValueError, match="doc_BT"):
+    conv_silu(x, w, jnp.zeros((1, 7), jnp.int32), implementation="interpret")
+  with pytest.raises(ValueError, match="needs a GPU"):
+    conv_silu(x, w, implementation="pallas")
+  with pytest.raises(ValueError, match="power of two"):
+    Blocks(rows=24)
+
+
+def test_lowers_to_triton_for_h200(monkeypatch):
+  """The GPU path (forward and backward kernels) lowers to Triton for an abstract H200, without a GPU,
+  at the KDA layer's shape and dtype."""
+  from pallas_kernels.short_conv import ops
+  monkeypatch.setattr(ops.jax, "default_backend", lambda: "gpu")
+  sd = lambda s, d=jnp.bfloat16: jax.ShapeDtypeStruct(s, d)
+
+  def f(x, w, doc):
+    y, vjp = jax.vjp(lambda x, w: conv_silu(x, w, doc, implementation="pallas", out_dtype=jnp.float32), x, w)
+    return y, vjp(y)
+
+  h200 = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
+    text = jax.jit(f).trace(sd((2, 1000, 8, 128)), sd((4, 8, 128), jnp.float32),
+                            sd((2, 1000), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 2
