@@ -13,6 +13,7 @@ bf16 inputs, taken as the worst over o, dq, dk, dv, dg, dbeta.
 import argparse
 import datetime
 import functools
+import itertools
 import json
 import os
 import pathlib
@@ -93,7 +94,7 @@ def make_inputs(B, T, seed=0, gate=None):
   return tuple(x.astype(jnp.bfloat16) for x in (q, k, v, g, beta, do))
 
 
-def kda_fns(impl, config=None):
+def kda_fns(impl, config=None, chunk=64):
   """(forward, forward+backward) jitted functions of (q, k, v, g, beta[, dO])."""
   jax, _ = _jax()
   from pallas_kernels.kda import chunk_kda
@@ -102,7 +103,7 @@ def kda_fns(impl, config=None):
 
   if impl == "pallas" and config is not None:
     def run(q, k, v, g, beta):
-      return chunk_kda_pallas(q, k, v, g, beta, D**-0.5, None, resets(None), chunk_size=64,
+      return chunk_kda_pallas(q, k, v, g, beta, D**-0.5, None, resets(None), chunk_size=chunk,
                               output_final_state=False, interpret=INTERPRET, config=config)[0]
   else:
     impl = "interpret" if INTERPRET and impl == "pallas" else impl
@@ -272,6 +273,7 @@ def sweep(args):
   jax, jnp = _jax()
   from pallas_kernels.kda import pallas_prep, pallas_scan
   from pallas_kernels.kda.pallas_backend import Tuning
+  from pallas_kernels.kda.pallas_op import Config
   from pallas_kernels.kda.pallas_tiles import precision_for
   prec = precision_for(jnp.bfloat16)
   bf = jnp.bfloat16
@@ -287,49 +289,53 @@ def sweep(args):
     compile_s = time.perf_counter() - t0
     print(f"{name:58s} {time_ms(fn, *a):8.3f} ms   (first call {compile_s:5.1f} s)", flush=True)
 
-  for B, T in SHAPES[::2]:
+  for (B, T), C in itertools.product(SHAPES[::2], args.sweep_chunks):
     q, k, v, g, beta, do = make_inputs(B, T)
     doc = jnp.zeros((B, T), jnp.int32)
-    prep = lambda block, tuning: jax.jit(functools.partial(
-        pallas_prep.prep_forward, chunk=64, block=min(block, D), scale=D**-0.5, prec=prec, store_dtype=bf,
+    if T == SHAPES[0][1]:
+      op_fwd, op_fb = kda_fns("pallas", Config(), chunk=C)
+      report(f"B={B} T={T} C={C} whole op forward (default config)", op_fwd, q, k, v, g, beta)
+      report(f"B={B} T={T} C={C} whole op forward + backward", op_fb, q, k, v, g, beta, do)
+    prep = lambda block, tuning, C=C: jax.jit(functools.partial(
+        pallas_prep.prep_forward, chunk=C, block=min(block, D), scale=D**-0.5, prec=prec, store_dtype=bf,
         tuning=tuning, **kw))
     from pallas_kernels.kda.pallas_op import _cumsum_in_chunks
-    G = _cumsum_in_chunks(g, 64)
+    G = _cumsum_in_chunks(g, C)
     W, U, qg, kd, Aqk, sdec = prep(64, Tuning(4, 1))(q, k, v, G, beta, doc)
     S0 = jnp.zeros((B, H, D, D), jnp.float32)
     if T == SHAPES[0][1]:
       for block, nw, *ns in args.sweep_prep:
         ns = ns[0] if ns else 1
-        report(f"B={B} T={T} prep_fwd block={block} warps={nw} stages={ns}", prep(block, Tuning(nw, ns)),
-               q, k, v, G, beta, doc)
+        report(f"B={B} T={T} C={C} prep_fwd block={block} warps={nw} stages={ns}",
+               prep(block, Tuning(nw, ns)), q, k, v, G, beta, doc)
     for bv, nw, ns in args.sweep_scan:
       tuning, bv = Tuning(nw, ns), min(bv, D)
       fwd = jax.jit(lambda *a, bv=bv, tuning=tuning: pallas_scan.scan_forward(
           *a, out_dtype=bf, block_v=bv, big=prec.big, tuning=tuning, **kw)[:2])
-      report(f"B={B} T={T} scan_fwd bv={bv} warps={nw} stages={ns}", fwd, W, U, qg, kd, Aqk, sdec, S0)
+      report(f"B={B} T={T} C={C} scan_fwd bv={bv} warps={nw} stages={ns}", fwd, W, U, qg, kd, Aqk, sdec, S0)
       bwd = jax.jit(lambda *a, bv=bv, tuning=tuning: pallas_scan.scan_backward(
           *a, store_dtype=bf, block_v=bv, big=prec.big, tuning=tuning, **kw))
-      report(f"B={B} T={T} scan_bwd bv={bv} warps={nw} stages={ns}", bwd, do, Aqk, kd, W, qg, sdec, S0)
+      report(f"B={B} T={T} C={C} scan_bwd bv={bv} warps={nw} stages={ns}", bwd, do, Aqk, kd, W, qg, sdec, S0)
     if T != SHAPES[0][1]:
       continue
     fwd_keep = jax.jit(lambda *a: pallas_scan.scan_forward(*a, out_dtype=bf, block_v=32, big=prec.big,
                                                            states_dtype=bf, tuning=Tuning(4, 2), **kw))
-    report(f"B={B} T={T} scan_fwd keeping states bv=32", fwd_keep, W, U, qg, kd, Aqk, sdec, S0)
+    report(f"B={B} T={T} C={C} scan_fwd keeping states bv=32", fwd_keep, W, U, qg, kd, Aqk, sdec, S0)
     _, _, states, Vp = fwd_keep(W, U, qg, kd, Aqk, sdec, S0)
     dVp, dSn, _ = pallas_scan.scan_backward(do, Aqk, kd, W, qg, sdec, S0, store_dtype=bf, block_v=32,
                                             big=prec.big, tuning=Tuning(4, 2), **kw)
     for block, nw in args.sweep_grads:
       sg = jax.jit(functools.partial(pallas_prep.state_grads, block=min(block, D), prec=prec, store_dtype=bf,
                                      tuning=Tuning(nw, 1), **kw))
-      report(f"B={B} T={T} state_grads block={block} warps={nw}", sg, states, dSn, do, dVp, Vp)
+      report(f"B={B} T={T} C={C} state_grads block={block} warps={nw}", sg, states, dSn, do, dVp, Vp)
     dW, dqg, dkd, dAqk, dsdec = pallas_prep.state_grads(states, dSn, do, dVp, Vp, block=min(64, D), prec=prec,
                                                         store_dtype=bf, tuning=Tuning(4, 1), **kw)
     for block, nw, *ns in args.sweep_prep:
       ns = ns[0] if ns else 1
-      pb = jax.jit(functools.partial(pallas_prep.prep_backward, chunk=64, block=min(block, D), scale=D**-0.5,
+      pb = jax.jit(functools.partial(pallas_prep.prep_backward, chunk=C, block=min(block, D), scale=D**-0.5,
                                      prec=prec, tuning=Tuning(nw, ns), g_dtype=g.dtype, **kw))
-      report(f"B={B} T={T} prep_bwd block={block} warps={nw} stages={ns}", pb, q, k, v, G, beta, doc, dW,
-             dVp, dqg, dkd, dAqk, dsdec)
+      report(f"B={B} T={T} C={C} prep_bwd block={block} warps={nw} stages={ns}", pb, q, k, v, G, beta, doc,
+             dW, dVp, dqg, dkd, dAqk, dsdec)
     del states, dSn, dVp, Vp
 
 
@@ -384,6 +390,7 @@ def main():
                  default=[(16, 4, 2), (32, 4, 2), (64, 4, 2), (32, 4, 3), (32, 8, 2), (16, 2, 2)],
                  help="block_v,num_warps,num_stages triples for the scans")
   p.add_argument("--sweep-grads", type=pair, nargs="*", default=[(64, 4), (128, 8), (32, 4)])
+  p.add_argument("--sweep-chunks", type=int, nargs="*", default=[64], help="chunk sizes for --sweep")
   args = p.parse_args()
   if args.fla_child:
     return fla_child([tuple(map(int, s.split("x"))) for s in args.fla_child.split(",")], args.fla_ms)
