@@ -56,9 +56,12 @@ def fwd_and_grads(impl, blocks=SMALL):
 
 
 def reference_fwd_and_grads(q, k, v, do, seg):
-  x64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, do)]
-  o, vjp = jax.vjp(lambda q, k, v: document_attention_reference(q, k, v, seg, scale=SCALE), *x64[:3])
-  return (o, *vjp(x64[3]))
+  """The dense reference and its autodiff in float64 (as NumPy arrays)."""
+  with jax.enable_x64(True):
+    x64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, do)]
+    seg = None if seg is None else jnp.asarray(seg)
+    o, vjp = jax.vjp(lambda q, k, v: document_attention_reference(q, k, v, seg, scale=SCALE), *x64[:3])
+    return tuple(np.asarray(x) for x in (o, *vjp(x64[3])))
 
 
 @pytest.fixture(scope="module")
