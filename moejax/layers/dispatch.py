@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import GROUPED_MATMULS
-from moejax.layers.ffn import situ_glu_packed
+from moejax.layers.ffn import situ_glu
 from pallas_kernels.gmm import gmm
 
 
@@ -19,10 +19,11 @@ def grouped_situ_glu(x_RL, group_sizes_G, w_gate_GLF, w_up_GLF, w_down_GFL, b1: 
                      implementation: str = "auto"):
   """Row r, in group g, gets W_d[g] situ_glu(W_g[g] x_r, W_u[g] x_r). Returns [R, L] in x's dtype.
 
-  Gate and up run as one grouped matmul over [W_g | W_u]: one pass over the rows instead of two.
-  The matmuls accumulate in float32 and write x's dtype: with bfloat16 compute their float32
-  outputs would be the largest buffers of the layer (k rows per token, 2F wide), and SiTU-GLU and
-  the combine upcast anyway.
+  Gate and up are two grouped matmuls. One over [W_g | W_u] measured 2% faster alone (BENCHMARKS.md,
+  "Grouped matmul"), but in the H200 step slicing its [R, 2F] output in two and concatenating the two
+  gradients cost 0.7 ms per layer each way. The matmuls accumulate in float32 and write x's dtype:
+  with bfloat16 compute their float32 outputs would be the largest buffers of the layer (k rows per
+  token, F wide), and SiTU-GLU and the combine upcast anyway.
   """
   if implementation not in GROUPED_MATMULS:
     raise ValueError(f"grouped matmul implementation {implementation!r} not in {GROUPED_MATMULS}")
@@ -30,8 +31,7 @@ def grouped_situ_glu(x_RL, group_sizes_G, w_gate_GLF, w_up_GLF, w_down_GFL, b1: 
   gs = group_sizes_G.astype(jnp.int32)
   impl = None if implementation == "auto" else implementation
   rdot = lambda a, w: gmm(a, w.astype(dtype), gs, preferred_element_type=dtype, implementation=impl)
-  gate_up_RF2 = rdot(x_RL, jnp.concatenate([w_gate_GLF, w_up_GLF], axis=2))
-  h_RF = situ_glu_packed(gate_up_RF2, b1, b2)
+  h_RF = situ_glu(rdot(x_RL, w_gate_GLF), rdot(x_RL, w_up_GLF), b1, b2)
   return rdot(h_RF, w_down_GFL)
 
 

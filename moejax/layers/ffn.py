@@ -48,29 +48,6 @@ def _situ_glu_bwd(b1, b2, res, dh):
 situ_glu.defvjp(_situ_glu_fwd, _situ_glu_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def situ_glu_packed(gate_up_RF2, b1: float = 4.0, b2: float = 25.0):
-  """situ_glu(gate, up) of one [..., 2F] array [gate | up] (one matmul's output). Its backward pass
-  writes the [..., 2F] cotangent in one pass, where slicing would leave two zero-padded halves to add
-  (on the H200 step that sum took 1.1 ms per MoE layer)."""
-  f = gate_up_RF2.shape[-1] // 2
-  return situ_glu(gate_up_RF2[..., :f], gate_up_RF2[..., f:], b1, b2)
-
-
-def _situ_glu_packed_fwd(gate_up_RF2, b1, b2):
-  return situ_glu_packed(gate_up_RF2, b1, b2), gate_up_RF2
-
-
-def _situ_glu_packed_bwd(b1, b2, gate_up_RF2, dh):
-  f = gate_up_RF2.shape[-1] // 2
-  gu32 = gate_up_RF2.astype(jnp.float32)
-  dg, du = _situ_grads(gu32[..., :f], gu32[..., f:], dh.astype(jnp.float32), b1, b2)
-  return (jnp.concatenate([dg, du], axis=-1).astype(gate_up_RF2.dtype),)
-
-
-situ_glu_packed.defvjp(_situ_glu_packed_fwd, _situ_glu_packed_bwd)
-
-
 class SiTUGLU(nn.Module):
   """Dense FFN: W_d situ_glu(W_g x, W_u x).
 

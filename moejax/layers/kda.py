@@ -154,16 +154,6 @@ class KDA(nn.Module):
     return merge(y_NBCD), (merge(g_NBCHK) if want_g else None)
 
 
-def conv_implementation(kc) -> str:
-  """model.kda.conv_implementation, or by default the recurrence's choice: Pallas kernels where KDA
-  runs its own (implementation None on GPU, "pallas", "interpret"), XLA where it runs "xla" or
-  "recurrent"."""
-  if kc.get("conv_implementation") is not None:
-    return kc.conv_implementation
-  impl = kc.implementation or ("pallas" if jax.default_backend() == "gpu" else "xla")
-  return impl if impl in ("pallas", "interpret") else "xla"
-
-
 def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
   """The KDA mixer on x [B,T,D] with params p: (y_BTD, g_BTHK, carry after the last position).
 
@@ -176,7 +166,7 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
   # With a carry, the convolution reaches back into the previous piece's last w = W-1 tokens: it runs
   # over those and this piece, and the last w of that extended row are what the next piece needs.
   w = 0 if carry is None else carry.tail_doc_BW.shape[1]
-  conv_impl = conv_implementation(kc)
+  conv_impl = kc.conv_implementation
   doc_ext = doc_BT if carry is None else jnp.concatenate([carry.tail_doc_BW, doc_BT], axis=1)
 
   def conv_branch(name):
