@@ -497,8 +497,9 @@ def main():
   no_graphs = "--xla_gpu_enable_command_buffer=" if args.only == "profile" else ""
   os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), XLA_FLAGS, no_graphs])
   # Parameters drawn with the RBG generator (XLA's RngBitGenerator) instead of threefry: the same
-  # distributions, and the state's initialisation, which compiled threefry for each of several hundred
-  # parameters, took 138 s on the H200 before the step could start (2026-12-03); training keeps threefry.
+  # distributions, and on a CPU, where `init_on_host` runs, the h200.py state's initialisation took
+  # 36 s instead of 77 (compile + run, 2 cores). Training keeps threefry. (On the H200 itself RBG did
+  # not shorten it: 135-152 s either way, hence the host.)
   jax.config.update("jax_default_prng_impl", "rbg")
   if args.smoke:
     args.long_seq, args.steps, args.mean_doc = min(args.long_seq, 1024), min(args.steps, 2), 100
