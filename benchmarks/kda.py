@@ -109,7 +109,7 @@ def kda_fns(impl, config=None, chunk=64):
     impl = "interpret" if INTERPRET and impl == "pallas" else impl
 
     def run(q, k, v, g, beta):
-      return chunk_kda(q, k, v, g, beta, implementation=impl)[0]
+      return chunk_kda(q, k, v, g, beta, chunk_size=chunk, implementation=impl)[0]
 
   def fwd_bwd(q, k, v, g, beta, do):
     o, vjp = jax.vjp(run, q, k, v, g, beta)
@@ -192,7 +192,7 @@ def main_table(args):
   bw, flops = (4.3e12, 7.9e14) if INTERPRET else ceilings()
   print(f"device {device}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
   rows = []
-  fns = {impl: kda_fns(impl) for impl in args.impls.split(",")}
+  fns = {impl: kda_fns(impl, chunk=args.chunk) for impl in args.impls.split(",")}
   fla_all = {}
   if not args.no_fla:
     for B, T in SHAPES:
@@ -234,7 +234,8 @@ def main_table(args):
   print("\n" + table)
   print(f"\nT=1M bf16, every gate at -5 (B=1 H={H} D={D}), fwd+bwd finite: {finite}")
   if args.section_out:
-    write_section(args.section_out, section_text(table, device, bw, flops, finite, " ".join(sys.argv[1:])))
+    write_section(args.section_out, section_text(table, device, bw, flops, finite, " ".join(sys.argv[1:]),
+                                                 args.chunk))
 
 
 def stress_1m(fns):
@@ -245,10 +246,11 @@ def stress_1m(fns):
   return all(bool(jnp.all(jnp.isfinite(x).reshape(x.shape[1], -1).all(axis=1))) for x in outs)
 
 
-def section_text(table, device, bw, flops, finite, argv):
+def section_text(table, device, bw, flops, finite, argv, chunk):
   date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
   return (f"{SECTION}\n\nMeasured {date} on {device} with `python3 benchmarks/kda.py {argv}` "
-          f"(H={H}, D=K=V={D}, bf16 inputs, chunk 64, no segments, no initial state). Ceilings measured in "
+          f"(H={H}, D=K=V={D}, bf16 inputs, our chunk {chunk} (floor FLOPs at 64), no segments, no initial "
+          f"state). Ceilings measured in "
           f"the same run: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s; floor = "
           f"max(bytes / copy, FLOPs / matmul). Rel err: worst of o and the five gradients against the "
           f"float32 XLA reference on the same bf16 inputs ('-': not computed in this run).\n\n{table}\n\n"
@@ -391,6 +393,7 @@ def main():
                  help="block_v,num_warps,num_stages triples for the scans")
   p.add_argument("--sweep-grads", type=pair, nargs="*", default=[(64, 4), (128, 8), (32, 4)])
   p.add_argument("--sweep-chunks", type=int, nargs="*", default=[64], help="chunk sizes for --sweep")
+  p.add_argument("--chunk", type=int, default=64, help="chunk size of ours in the table (fla's is its own)")
   args = p.parse_args()
   if args.fla_child:
     return fla_child([tuple(map(int, s.split("x"))) for s in args.fla_child.split(",")], args.fla_ms)
