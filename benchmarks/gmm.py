@@ -297,8 +297,9 @@ def main():
   p.add_argument("--no-tune", action="store_true", help="skip the tile sweep; time the default tiles")
   p.add_argument("--out", default=None, help="markdown file to update (default BENCHMARKS.md on GPU)")
   p.add_argument("--sweep-only", action="store_true", help="only the tile sweep at --shapes; no file")
-  p.add_argument("--shapes", nargs="+", default=["64,262144,512,1536", "64,262144,768,512"],
-                 metavar="G,M,K,N", help="with --sweep-only (default: the h200.py step's expert matmuls)")
+  p.add_argument("--shapes", nargs="+", default=["64,262144,512,768", "64,262144,768,512"],
+                 metavar="G,M,K,N", help="with --sweep-only (default: the h200.py step's expert matmuls: "
+                 "gate and up, then down)")
   args = p.parse_args()
   if args.smoke:
     jax.config.update("jax_platforms", "cpu")

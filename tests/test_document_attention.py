@@ -175,6 +175,19 @@ def test_max_logit_matches_float64_and_leaves_gradients_alone(lengths):
                                 rtol=1e-6, atol=1e-6)
 
 
+def test_max_logit_leaves_out_the_padding_rows():
+  """Every real logit negative (queries positive, keys negative): the padding rows that T=83 gets
+  (to 96), whose zero queries and keys give logits of 0, would win the max if they were counted."""
+  q, k, v, _ = inputs(6)
+  q, k = jnp.abs(q) + 0.1, -jnp.abs(k) - 0.1
+  seg = np.stack([segments_from_lengths([30, 20], T)] * B)
+  want = numpy_max_logits(q, k, seg)
+  assert np.all(want < 0)
+  _, max_H = document_attention(q, k, v, jnp.asarray(seg), scale=SCALE, implementation="interpret",
+                                blocks=SMALL, return_max_logit=True)
+  np.testing.assert_allclose(max_H, want, rtol=1e-5)
+
+
 def test_bad_inputs_raise():
   q, k, v, _ = inputs(0)
   with pytest.raises(ValueError, match="implementation"):

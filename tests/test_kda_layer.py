@@ -311,6 +311,30 @@ def test_layer_in_pieces_equals_whole_row(implementation, seg):
     assert np.max(np.abs(a - b)) <= 1e-4 * np.max(np.abs(a)) + 1e-6, jax.tree_util.keystr(path)
 
 
+@pytest.mark.parametrize("seq_chunk", [0, 16])
+def test_layer_with_conv_kernels_equals_xla_conv(seq_chunk):
+  """model.kda.conv_implementation="interpret" (the Pallas short-convolution kernels) gives the layer
+  of the XLA convolution, output and every gradient, on the whole row and in pieces (where the conv
+  runs over the previous piece's tail)."""
+  rng = np.random.default_rng(8)
+  x = jnp.asarray(rng.standard_normal((B, 48, CFG.d_model)), jnp.float32)
+  seg = jnp.asarray(PIECE_SEG)
+  r = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+
+  def run(conv):
+    layer = KDA(make_cfg(seq_chunk=seq_chunk, conv_implementation=conv))
+    loss = lambda p, x: jnp.sum(layer.apply({"params": p}, x, seg) * r)
+    return jax.jit(jax.value_and_grad(loss, (0, 1)))(PARAMS, x)
+
+  (loss_k, grads_k), (loss_x, grads_x) = run("interpret"), run("xla")
+  np.testing.assert_allclose(loss_k, loss_x, rtol=1e-5)
+  leaves_k = jax.tree.leaves(grads_k)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_x), leaves_k, strict=True):
+    a, b = np.asarray(a), np.asarray(b)
+    # dw sums per program, then over programs, where XLA sums the row at once: float32 order noise
+    assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(a)) + 1e-6, jax.tree_util.keystr(path)
+
+
 def test_layer_in_pieces_checks_the_row_length():
   layer = KDA(make_cfg(seq_chunk=32))
   with pytest.raises(ValueError, match="seq_chunk=32 does not divide"):

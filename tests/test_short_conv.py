@@ -63,15 +63,17 @@ def test_bfloat16_and_default_blocks():
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2
 
 
-def test_documents_do_not_mix():
+@pytest.mark.parametrize("impl", ["interpret", "xla"])
+def test_documents_do_not_mix(impl):
   """NaN in every input of the first document: nothing of it reaches the second one's outputs or
-  gradients (a tap that crossed the boundary, forward or backward, would carry it)."""
+  gradients (a tap that crossed the boundary, forward or backward, would carry it; so would a mask
+  applied as a product, NaN * 0)."""
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.standard_normal((1, 40, 16)), jnp.float32).at[:, :20].set(jnp.nan)
   dy = jnp.asarray(rng.standard_normal((1, 40, 16)), jnp.float32).at[:, :20].set(jnp.nan)
   w = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
   doc = jnp.asarray([[0] * 20 + [1] * 20], jnp.int32)
-  y, vjp = jax.vjp(lambda x: conv_silu(x, w, doc, implementation="interpret", blocks=SMALL), x)
+  y, vjp = jax.vjp(lambda x: conv_silu(x, w, doc, implementation=impl, blocks=SMALL), x)
   (dx,) = vjp(dy)
   want_y, want_vjp = jax.vjp(lambda x: conv_silu(x, w, None, implementation="xla"), x[:, 20:])
   np.testing.assert_allclose(y[:, 20:], want_y, rtol=1e-5, atol=1e-6)

@@ -1,8 +1,9 @@
 """Pallas (Triton lowering) kernels of SiLU(causal depthwise convolution within documents), and its VJP.
 
 Arrays are [B, rows, C] with C a multiple of the column block and, for x and the document ids, W-1
-rows of padding in front and W-1 behind (ids -1 and -2 there, so no tap crosses into them), and the
-rows a multiple of the row block. One program owns a [row block, column block] tile of one batch row.
+rows of padding in front and W-1 behind, and the rows a multiple of the row block. The padding rows
+hold zeros in x (and in dy), so a tap that reaches one adds nothing whatever its id (-1 in front, -2
+behind). One program owns a [row block, column block] tile of one batch row.
 
     z_t = round(sum_l w[W-1-l] x_{t-l} [doc_{t-l} = doc_t]),   y_t = silu(z_t)
 

@@ -32,6 +32,7 @@ def short_conv(x_BTC, w_WC, doc_BT=None):
     tap = _shift_right(x32, lag, 0.0)
     if doc_BT is not None:
       same_BT = _shift_right(doc_BT, lag, -1) == doc_BT
-      tap = tap * same_BT.reshape(*same_BT.shape, *(1,) * (x_BTC.ndim - 2))
+      # A select, not a product: a NaN or Inf in one document must not reach the next (NaN * 0).
+      tap = jnp.where(same_BT.reshape(*same_BT.shape, *(1,) * (x_BTC.ndim - 2)), tap, 0.0)
     y = y + tap * w32[W - 1 - lag]
   return y.astype(x_BTC.dtype)
