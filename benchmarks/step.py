@@ -179,6 +179,10 @@ def parse_mesh(text: str) -> dict[str, int]:
   return sizes
 
 
+def total_steps(config) -> int:
+  return sum(s[1] for s in config.train.stages)
+
+
 def init_on_host(model, config, why: str = ""):
   """init_state, run on the host CPU (the state then goes to the first local device): on the H200 the
   same jitted initialisation took 135-152 s of device time per run (2026-12-03), most of a call's
@@ -190,7 +194,7 @@ def init_on_host(model, config, why: str = ""):
   t0 = time.perf_counter()
   log(f"initialising the state{why} on {host.platform if host else 'the accelerator (no CPU backend)'}")
   with jax.default_device(host) if host else contextlib.nullcontext():
-    out = init_state(model, config, jax.random.key(0), sum(s[1] for s in config.train.stages))
+    out = init_state(model, config, jax.random.key(0), total_steps(config))
   log(f"initialised in {time.perf_counter() - t0:.0f} s")
   return out
 
@@ -199,13 +203,12 @@ def time_steps(config, batch, steps: int, mesh, warmup: int = 1, profile_dir: st
   """Compiles the train step on `mesh`, runs it once (compile included) and `warmup` more times, then
   times `steps` steps back to back; with `profile_dir`, then traces two more (benchmarks/profile.py)."""
   model = build_model(config)
-  total = sum(s[1] for s in config.train.stages)
   state, optimizer, axes = init_on_host(model, config)
   log("placing it on the mesh")
   state = shard_state(state, axes, optimizer, mesh)
   log(f"compiling the step on {'x'.join(map(str, batch['tokens'].shape))} tokens")
   batch = jax.device_put(batch, meshlib.batch_sharding(mesh))
-  step = jax.jit(make_train_step(model, optimizer, config, total), donate_argnums=0)
+  step = jax.jit(make_train_step(model, optimizer, config, total_steps(config)), donate_argnums=0)
   with jax.set_mesh(mesh):
     return {**_time_steps(step, state, batch, steps, optimizer, warmup, profile_dir), "axes": axes}
 
@@ -339,10 +342,15 @@ def run_long(args) -> dict:
           "mla_attention": mla.implementation(packed=True)}
 
 
-def bench_step(args, device, write) -> list[str]:
+def first_stage(args):
+  """(config, seq_len, tokens per step, synthetic batch) of the config's first training stage."""
   config = load_config(args.config, args.set, args.smoke)
   seq_len, _, tokens = config.train.stages[0]
-  batch = synthetic_batch(config, tokens // seq_len, seq_len, args.mean_doc)
+  return config, seq_len, tokens, synthetic_batch(config, tokens // seq_len, seq_len, args.mean_doc)
+
+
+def bench_step(args, device, write) -> list[str]:
+  config, seq_len, tokens, batch = first_stage(args)
   matmul_n = 512 if args.smoke else 8192
   peak_rate = matmul_rate(matmul_n)
   log(f"device {device}; bf16 matmul rate {peak_rate / 1e12:.1f} TFLOP/s")
@@ -414,9 +422,7 @@ def component_table(config, batch, state, optimizer, step_ms: float | None) -> l
 def bench_components(args) -> list[str]:
   """The components alone, without the full step (whose figures come from an earlier `--only step`
   run, passed as --step-ms, or none): for a device call too short for both."""
-  config = load_config(args.config, args.set, args.smoke)
-  seq_len, _, tokens = config.train.stages[0]
-  batch = synthetic_batch(config, tokens // seq_len, seq_len, args.mean_doc)
+  config, seq_len, tokens, batch = first_stage(args)
   state, optimizer, _ = init_on_host(build_model(config), config,
                                      " (for the LM head and the optimizer update)")
   where = f" (the step time, {args.step_ms} ms, is from an earlier run)" if args.step_ms else ""
@@ -426,9 +432,7 @@ def bench_components(args) -> list[str]:
 
 def bench_profile(args) -> list[str]:
   """The step on one device, timed, then PROFILED_STEPS more traced (main turns CUDA graphs off)."""
-  config = load_config(args.config, args.set, args.smoke)
-  seq_len, _, tokens = config.train.stages[0]
-  batch = synthetic_batch(config, tokens // seq_len, seq_len, args.mean_doc)
+  config, seq_len, tokens, batch = first_stage(args)
   r = time_steps(config, batch, args.steps, make_mesh({}), profile_dir=args.profile)
   return [f"`{args.config}` at seq_len {seq_len}, {tokens} tokens per step, one device, with XLA's command "
           f"buffers (CUDA graphs) off, so that every kernel names the HLO op that launched it: step time "
