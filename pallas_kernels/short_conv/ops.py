@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.kda.pallas_backend import Tuning
 from pallas_kernels.short_conv import kernel
-from pallas_kernels.short_conv.reference import short_conv
+from pallas_kernels.short_conv.reference import check_channels, short_conv
 
 IMPLEMENTATIONS = ("pallas", "interpret", "xla")
 
@@ -47,9 +47,7 @@ def conv_silu(x_BTC, w_WC, doc_BT=None, *, implementation: str | None = None, ou
     implementation = "pallas" if jax.default_backend() == "gpu" else "xla"
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"conv_silu implementation {implementation!r} not in {IMPLEMENTATIONS} or None")
-  if tuple(w_WC.shape[1:]) != tuple(x_BTC.shape[2:]):
-    raise ValueError(f"conv_silu: weight channels {w_WC.shape[1:]} do not match input channels "
-                     f"{x_BTC.shape[2:]}")
+  check_channels(x_BTC, w_WC, "conv_silu")
   B, T = x_BTC.shape[:2]
   if doc_BT is not None and (tuple(doc_BT.shape) != (B, T) or not jnp.issubdtype(doc_BT.dtype, jnp.integer)):
     raise ValueError(f"conv_silu: doc_BT must be an integer [B,T]=({B}, {T}) array, got "

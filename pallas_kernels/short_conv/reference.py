@@ -12,6 +12,13 @@ def _shift_right(x, lag: int, fill):
   return jnp.concatenate([pad, x[:, :-lag]], axis=1)
 
 
+def check_channels(x_BTC, w_WC, op: str):
+  """Raises ValueError unless w [W, *channels] has x [B, T, *channels]'s channel axes."""
+  if tuple(w_WC.shape[1:]) != tuple(x_BTC.shape[2:]):
+    raise ValueError(f"{op}: weight channels {w_WC.shape[1:]} do not match input channels "
+                     f"{x_BTC.shape[2:]}")
+
+
 def short_conv(x_BTC, w_WC, doc_BT=None):
   """Causal depthwise convolution y_t = sum_j w[j] x_{t-(W-1)+j}, restarted at document starts.
 
@@ -22,9 +29,7 @@ def short_conv(x_BTC, w_WC, doc_BT=None):
   returns x's dtype. W is small (4), so a static loop over taps is W shifted multiply-adds.
   """
   W = w_WC.shape[0]
-  if tuple(w_WC.shape[1:]) != tuple(x_BTC.shape[2:]):
-    raise ValueError(f"short_conv: weight channels {w_WC.shape[1:]} do not match input channels "
-                     f"{x_BTC.shape[2:]}")
+  check_channels(x_BTC, w_WC, "short_conv")
   x32 = x_BTC.astype(jnp.float32)
   w32 = w_WC.astype(jnp.float32)
   y = jnp.zeros_like(x32)
