@@ -384,6 +384,7 @@ def main():
   p.add_argument("--no-ref", action="store_true", help="skip the float32 reference (no errors)")
   p.add_argument("--ref-max-t", type=int, default=1 << 30, help="errors only up to this T")
   p.add_argument("--no-stress", action="store_true", help="skip the T=1M run")
+  p.add_argument("--stress-only", action="store_true", help="only the T=1M run (ours, --chunk)")
   p.add_argument("--xla-max-t", type=int, default=1 << 30)
   pair = lambda s: tuple(int(x) for x in s.split(","))
   p.add_argument("--sweep-prep", type=pair, nargs="*", default=[(32, 2), (64, 4), (64, 2), (32, 4)],
@@ -406,6 +407,10 @@ def main():
     return main_check(args)
   if args.sweep:
     return sweep(args)
+  if args.stress_only:
+    finite = stress_1m(kda_fns("pallas", chunk=args.chunk))
+    print(f"T=1M bf16, every gate at -5 (B=1 H={H} D={D}, chunk {args.chunk}), fwd+bwd finite: {finite}")
+    return
   main_table(args)
 
 
