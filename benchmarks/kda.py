@@ -242,8 +242,14 @@ def stress_1m(fns):
   _, jnp = _jax()
   inputs = make_inputs(1, 256 if INTERPRET else 1 << 20, seed=3, gate=LB)
   outs = fns[1](*inputs)
-  # Per row, in the arrays' own dtype: one reduction over 2^31 elements ran out of memory (46 GB).
-  return all(bool(jnp.all(jnp.isfinite(x).reshape(x.shape[1], -1).all(axis=1))) for x in outs)
+  # max |x| is NaN or Inf exactly when some entry is. A boolean all() over the 2^31 entries of one
+  # output asked the H200 for 46 GiB, whole or per row; a float max reduction needs no such buffer.
+  return all(bool(_finite_max(x)) for x in outs)
+
+
+def _finite_max(x):
+  jax, jnp = _jax()
+  return jax.jit(lambda x: jnp.isfinite(jnp.max(jnp.abs(x))))(x)
 
 
 def section_text(table, device, bw, flops, finite, argv, chunk):

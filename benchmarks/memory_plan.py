@@ -10,7 +10,7 @@ the settings of step.py's 1M-token step (remat full, routed experts in 128K-toke
 off). `--as-gpu` puts the Pallas kernels in interpret mode, so that a CPU plan holds the GPU kernels'
 own buffers rather than those of the XLA reference paths. `--dump DIR` asks XLA for its buffer
 assignment and prints the buffers live at the peak, largest first, each with the model part and the
-name stack of the op that made it (benchmarks/profile.py).
+name stack of the op that made it (benchmarks/trace_parts.py).
 """
 
 import argparse
@@ -95,7 +95,7 @@ def peak_buffers(dump_dir: str, module_pattern: str) -> list[tuple[str, int]]:
 
 def peak_table(buffers, names: dict[str, str], top: int) -> list[str]:
   """Markdown: the peak's bytes by model part, then its largest buffers."""
-  from benchmarks.profile import model_part
+  from benchmarks.trace_parts import model_part
 
   by_part = collections.Counter()
   for name, size in buffers:
@@ -142,7 +142,7 @@ def main():
   os.environ["XLA_FLAGS"] = " ".join(xla_flags)
   import jax
 
-  from benchmarks.profile import op_names
+  from benchmarks.trace_parts import op_names
 
   config = plan_config(args)
   flags = "".join(f"; --{f.replace('_', '-')}" for f in ("long", "as_gpu") if getattr(args, f))

@@ -44,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks import profile as profile_lib  # noqa: E402
+from benchmarks import trace_parts as profile_lib  # noqa: E402
 from benchmarks.flops import (  # noqa: E402
   causal_attention_forward_flops_per_token,
   kda_forward_flops_per_token,
@@ -201,7 +201,7 @@ def init_on_host(model, config, why: str = ""):
 
 def time_steps(config, batch, steps: int, mesh, warmup: int = 1, profile_dir: str | None = None) -> dict:
   """Compiles the train step on `mesh`, runs it once (compile included) and `warmup` more times, then
-  times `steps` steps back to back; with `profile_dir`, then traces two more (benchmarks/profile.py)."""
+  times `steps` steps back to back; with `profile_dir`, then traces two more (benchmarks/trace_parts.py)."""
   model = build_model(config)
   state, optimizer, axes = init_on_host(model, config)
   log("placing it on the mesh")
@@ -438,7 +438,7 @@ def bench_profile(args) -> list[str]:
           f"buffers (CUDA graphs) off, so that every kernel names the HLO op that launched it: step time "
           f"{r['step_s'] * 1e3:.1f} ms in this run. {PROFILED_STEPS} steps traced by jax.profiler after "
           f"{args.steps} timed ones; each kernel is charged to the model part in its op's name stack "
-          f"(benchmarks/profile.py).", "", *r["profile"]]
+          f"(benchmarks/trace_parts.py).", "", *r["profile"]]
 
 
 def bench_long(args) -> list[str]:

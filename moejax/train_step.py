@@ -128,7 +128,7 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
   def train_step(state: TrainState, batch):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     (loss, (metrics, stats)), grads = grad_fn(state.params, state.balance, batch)
-    # The named scopes label the step's parts in profiles (benchmarks/profile.py).
+    # The named scopes label the step's parts in profiles (benchmarks/trace_parts.py).
     with jax.named_scope("optimizer"):
       grad_norm = optax.tree.norm(grads)
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)

@@ -182,7 +182,7 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
       y = jax.lax.optimization_barrier(y)
     return y, ext_BTHK[:, ext_BTHK.shape[1] - w:]
 
-  # The named scopes label this layer's parts in profiles (benchmarks/profile.py).
+  # The named scopes label this layer's parts in profiles (benchmarks/trace_parts.py).
   with jax.named_scope("qkv_conv"):
     (q_BTHK, q_tail), (k_BTHK, k_tail), (v_BTHV, v_tail) = (conv_branch(n) for n in ("q", "k", "v"))
     q_BTHK = l2_normalize(q_BTHK, c.norm_eps).astype(dtype)

@@ -54,7 +54,7 @@ def _routed(w, x_BTD, segment_ids_BT, bias_E, *, cfg, stats_wanted: bool, axes: 
   reduce = (lambda v: jax.lax.psum(v, axes)) if axes else (lambda v: v)
   x_MD = x_BTD.reshape(b * t, d)
 
-  # The named scopes label the layer's parts in profiles (benchmarks/profile.py).
+  # The named scopes label the layer's parts in profiles (benchmarks/trace_parts.py).
   with jax.named_scope("router"):
     s_ME = router_scores(x_MD, w["router"])
     idx_MK, p_MK = select_experts(s_ME, bias_E, k, e.routed_scaling)

@@ -1,4 +1,4 @@
-"""benchmarks/profile.py and benchmarks/memory_plan.py: name stacks to model parts, HLO metadata,
+"""benchmarks/trace_parts.py and benchmarks/memory_plan.py: name stacks to model parts, HLO metadata,
 and both tools end to end on the CPU at tiny shapes."""
 
 import pathlib
@@ -12,7 +12,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import memory_plan, profile  # noqa: E402
+from benchmarks import memory_plan, trace_parts  # noqa: E402
 
 
 @pytest.mark.parametrize("op_name, expected", [
@@ -32,7 +32,7 @@ from benchmarks import memory_plan, profile  # noqa: E402
     ("jit(train_step)/select_n", ("other (outside the model and the named parts)", "")),
 ])
 def test_model_part(op_name, expected):
-  assert profile.model_part(op_name) == expected
+  assert trace_parts.model_part(op_name) == expected
 
 
 def test_op_names_inherit_from_called_computation_and_operand():
@@ -51,7 +51,7 @@ ENTRY %main.5 (Arg_0.1: f32[2]) -> f32[2] {
   ROOT %add.3 = f32[2]{0} add(%copy.2, %copy.2), metadata={op_name="jit(f)/optimizer/add"}
 }
 """
-  names = profile.op_names(hlo)
+  names = trace_parts.op_names(hlo)
   assert names["fusion.1"] == "jit(f)/layer_3/moe/router/tanh"  # the root's, not the first op's
   assert names["copy.2"] == names["fusion.1"]
   assert names["add.3"] == "jit(f)/optimizer/add"
@@ -75,15 +75,15 @@ def test_trace_charges_kernels_to_their_parts(tmp_path):
 
   w, x = jnp.ones((64, 32)) * 0.01, jnp.ones((128, 64))
   compiled = jax.jit(step).lower(w, x).compile()
-  events, w = profile.trace_steps(compiled, w, x, calls=2, log_dir=str(tmp_path))
+  events, w = trace_parts.trace_steps(compiled, w, x, calls=2, log_dir=str(tmp_path))
   assert events and w.shape == (64, 32)
-  charged = profile.attribute(events, profile.op_names(compiled.as_text()))["parts"]
+  charged = trace_parts.attribute(events, trace_parts.op_names(compiled.as_text()))["parts"]
   for key in [("MoE / router", "forward"), ("MoE / router", "backward"), ("MoE / combine", "forward"),
               ("optimizer update", "")]:
     assert charged[key] > 0, (key, charged)
   # Nearly every kernel is attributed to some named op.
   assert charged[("unattributed kernels", "")] <= 0.1 * sum(charged.values())
-  lines = profile.table(events, profile.op_names(compiled.as_text()), calls=2, wall_ms=1.0)
+  lines = trace_parts.table(events, trace_parts.op_names(compiled.as_text()), calls=2, wall_ms=1.0)
   assert any(line.startswith("| MoE / router |") for line in lines)
 
 
@@ -104,3 +104,10 @@ def test_peak_buffers_parse_the_live_range_dump(tmp_path):
       "    fusion.2{0}: 4194304 bytes (cumulative: 5242880 bytes)\n  Stack trace breakdown\n")
   assert memory_plan.peak_buffers(str(tmp_path), "train_step") == [("fusion.2", 4194304), ("a.1", 1048576)]
   assert memory_plan.peak_buffers(str(tmp_path), "loss") == []
+
+
+def test_no_benchmark_script_shadows_the_standard_library():
+  """`python benchmarks/x.py` puts benchmarks/ first on sys.path, so a benchmarks/profile.py hid the
+  standard library's profile module from cProfile, and torch (fla's child process) failed to import."""
+  names = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
+  assert not names & set(sys.stdlib_module_names)
