@@ -19,9 +19,6 @@ from moejax.config import load_experiment
 def get_config():
   c = load_experiment(pathlib.Path(__file__).with_name("h200.py"))
   c.model.remat = "full"
-  # Chunks of 64 (h200.py takes 32): on one long row the state scans are latency-bound and take one
-  # step per chunk; at T=131072 each scan took 8.4 ms at 32 and 4.8 ms at 64 (H200, 2026-12-03).
-  c.model.kda.chunk_size = 64
   # 8M routed rows at 1M tokens (top 8): run the experts over 128K tokens at a time, so one chunk's
   # rows and activations are live, not the whole row's.
   c.model.moe.token_chunk = 131_072

@@ -31,10 +31,7 @@ def get_config():
   m.kda.head_k_dim = 128
   m.kda.head_v_dim = 128
   m.kda.gate_rank = 128
-  # 32, not 64: on the H200 (2026-12-03, benchmarks/kda.py --sweep --sweep-chunks 64 32, B=2 T=8192 H=16)
-  # the op's forward + backward took 4.58 ms against 7.08 (prep_bwd 2.29 against 4.89 ms); the
-  # sequential scans, which take twice the steps, cost more only for long single rows (1m.py).
-  m.kda.chunk_size = 32
+  m.kda.chunk_size = 32  # the default; BENCHMARKS.md "KDA kernel" compares 32 with 64
   m.mla.num_heads = 8
   m.mla.q_lora_rank = 384
   m.mla.kv_lora_rank = 256

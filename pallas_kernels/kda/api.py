@@ -12,7 +12,7 @@ IMPLEMENTATIONS = ("xla", "recurrent", "pallas", "interpret")
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-              segment_ids=None, chunk_size=64, implementation=None):
+              segment_ids=None, chunk_size=32, implementation=None):
   """Bounded-decay Kimi Delta Attention over whole sequences (DESIGN §2).
 
   Per head, with state S in R^{K x V}:

@@ -28,11 +28,15 @@ class Config:
   block_grads: int = 64         # and of the state-gradient kernel
   block_v_fwd: int | None = None  # V columns per program of the forward state pass (None: see block_v)
   block_v_bwd: int | None = None  # and of the backward one
-  prep_fwd: Tuning = Tuning(num_warps=4, num_stages=1)
+  # Launch parameters from `benchmarks/kda.py --sweep --sweep-chunks 32` (H200, 2026-12-03, chunk 32,
+  # B=2 T=8192 H=16; the scans also at B=1 T=131072): prep_fwd 0.520 ms at 2 warps against 0.599 at 4,
+  # prep_bwd 1.984 at 2 stages against 2.330, the scans 0.391 / 0.453 ms at 3 stages against
+  # 0.557 / 0.573 (4.997 / 5.654 against 7.795 / 7.922 ms with 16-column blocks at T=131072).
+  prep_fwd: Tuning = Tuning(num_warps=2, num_stages=1)
   state_grads: Tuning = Tuning(num_warps=4, num_stages=1)
-  prep_bwd: Tuning = Tuning(num_warps=4, num_stages=1)
-  scan_fwd: Tuning = Tuning(num_warps=4, num_stages=2)
-  scan_bwd: Tuning = Tuning(num_warps=4, num_stages=2)
+  prep_bwd: Tuning = Tuning(num_warps=4, num_stages=2)
+  scan_fwd: Tuning = Tuning(num_warps=4, num_stages=3)
+  scan_bwd: Tuning = Tuning(num_warps=4, num_stages=3)
 
   def __post_init__(self):
     for name in ("block", "block_grads", "block_v_fwd", "block_v_bwd"):
