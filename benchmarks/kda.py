@@ -280,7 +280,7 @@ def write_section(path, body):
     text = text.rstrip("\n") + "\n\n" + body
   else:
     end = text.find("\n## ", start + len(SECTION))
-    text = text[:start] + body + (text[end + 1:] if end >= 0 else "")
+    text = text[:start] + body.rstrip("\n") + ("\n\n" + text[end + 1:] if end >= 0 else "\n")
   open(path, "w").write(text)
   print(f"wrote {path}")
 
