@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks import attention, step  # noqa: E402
+from benchmarks import attention, kda, step  # noqa: E402
 from benchmarks.flops import causal_attention_forward_flops_per_token, kda_forward_flops_per_token  # noqa: E402
 from moejax.model import build_model  # noqa: E402
 from moejax.params import count_params  # noqa: E402
@@ -84,3 +84,23 @@ def test_newton_schulz_flops_by_hand_and_matrix_list():
   assert (m.moe.num_experts, m.moe.latent_dim, m.moe.expert_hidden_dim) in matrices
   assert (1, m.d_model, m.moe.num_experts) not in matrices
   assert not step.muon_matrices(step.load_config(H200, ["optim.name=adamw"], smoke=True), params, axes)
+
+
+@pytest.mark.parametrize("row", [0, 15, 16, 47, 99])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_kda_finiteness_check_sees_every_slab(row, bad):
+  """The T=1M check reduces by slabs of rows (the last one overlapping the one before): a NaN or Inf
+  anywhere, the slab edges and the ragged end included, makes it fail."""
+  x = jax.numpy.ones((1, 100, 2, 8), jax.numpy.bfloat16)
+  assert kda._finite(x, slab=16)
+  assert not kda._finite(x.at[0, row, 1, 3].set(bad), slab=16)
+
+
+def test_kda_section_is_replaced_in_place(tmp_path):
+  """--section-out swaps the KDA section of a markdown file and keeps the sections around it apart."""
+  path = tmp_path / "B.md"
+  path.write_text("# Benchmarks\n\n## A\n\na\n\n## KDA kernel\n\nold\n\n## C\n\nc\n")
+  kda.write_section(str(path), "## KDA kernel\n\nnew\n")
+  assert path.read_text() == "# Benchmarks\n\n## A\n\na\n\n## KDA kernel\n\nnew\n\n## C\n\nc\n"
+  kda.write_section(str(tmp_path / "new.md"), "## KDA kernel\n\nx\n")
+  assert (tmp_path / "new.md").read_text() == "# Benchmarks\n\n## KDA kernel\n\nx\n"
