@@ -1,6 +1,6 @@
 """KDA kernel benchmark: ours (Pallas), ours (XLA reference) and fla 0.6.0 chunk_kda on one GPU.
 
-  python benchmarks/kda.py --section-out BENCHMARKS.md   # the issue's table, written into BENCHMARKS.md
+  python benchmarks/kda.py --section-out $OUT/kda.md     # the issue's table, as a markdown section
   python benchmarks/kda.py --sweep          # per-kernel block sizes and launch parameters
   python benchmarks/kda.py --check          # GPU correctness only (Pallas vs the float32 reference)
 
@@ -139,7 +139,7 @@ def ceilings():
   return copy_bandwidth(), matmul_rate()
 
 
-def floor_ms(B, T, both: bool, bw, flops, C=64):
+def floor_ms(B, T, both: bool, bw, flops, C):
   """Physical floor: each input read once and each output written once, and the chunked form's FLOPs
   (scores, solve, state products; backward counted as twice the forward)."""
   K = V = D
@@ -217,7 +217,7 @@ def main_table(args):
       res["fla"] = (fla["fwd_ms"], fla["fwd_bwd_ms"], err(fla_out))
     elif args.fla_design and (B, T) in FLA_DESIGN:
       res["fla"] = (*FLA_DESIGN[(B, T)], float("nan"))
-    ff, fb = floor_ms(B, T, False, bw, flops), floor_ms(B, T, True, bw, flops)
+    ff, fb = floor_ms(B, T, False, bw, flops, args.chunk), floor_ms(B, T, True, bw, flops, args.chunk)
     for impl, (tf, tb, err) in res.items():
       ratio = (f"{tf / res['fla'][0]:.2f}", f"{tb / res['fla'][1]:.2f}") if "fla" in res else ("-", "-")
       name = {"pallas": "ours (pallas)", "xla": "ours (xla ref)",
@@ -226,23 +226,23 @@ def main_table(args):
                    f"{tb / fb:.1f}", "-" if err != err else f"{err:.1e}"))
       print(" | ".join(rows[-1]), flush=True)
     del inputs, ref
-  finite = None if args.no_stress else stress_1m(fns["pallas"])
+  finite = None if args.no_stress else stress_1m(fns["pallas"], args.stress_heads)
   header = ("shape", "impl", "fwd ms", "fwd+bwd ms", "fwd/fla", "f+b/fla", "fwd/floor", "f+b/floor",
             "rel err")
   table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                     + ["| " + " | ".join(r) + " |" for r in rows])
   print("\n" + table)
-  print(f"\nT=1M bf16, every gate at -5 (B=1 H={H} D={D}), fwd+bwd finite: {finite}")
+  print(f"\nT=1M bf16, every gate at -5 (B=1 H={args.stress_heads or H} D={D}), fwd+bwd finite: {finite}")
   if args.section_out:
     write_section(args.section_out, section_text(table, device, bw, flops, finite, " ".join(sys.argv[1:]),
-                                                 args.chunk))
+                                                 args.chunk, args.stress_heads or H))
 
 
 def stress_1m(fns, heads=None):
   """Forward + backward at T=1M (B=1) with every gate at the bound; whether every output is finite.
   heads: fewer than H where the H-head problem does not fit (H=16 asked the H200 for 46-61 GiB of
   temporaries on top of its inputs and outputs)."""
-  jax, jnp = _jax()
+  jax, _ = _jax()
   inputs = make_inputs(1, 256 if INTERPRET else 1 << 20, seed=3, gate=LB, heads=heads)
   outs = jax.block_until_ready(fns[1](*inputs))
   stats = jax.devices()[0].memory_stats() or {}
@@ -252,8 +252,8 @@ def stress_1m(fns, heads=None):
 
 
 def _finite(x, slab=1 << 16):
-  """Whether every entry of x [B,T,...] is finite, by slabs of T. One reduction over all 2^31 entries of
-  a T=1M output asked the H200 for 46-61 GiB, as a boolean all() and as a float max alike."""
+  """Whether every entry of x [B,T,...] is finite, by slabs of T: max |x| of each slab is NaN or Inf
+  exactly when an entry is, and no temporary as large as x is made."""
   jax, jnp = _jax()
   slab = min(slab, x.shape[1])
   check = jax.jit(lambda x, t: jnp.isfinite(jnp.max(jnp.abs(jax.lax.dynamic_slice_in_dim(x, t, slab, 1)))))
@@ -261,15 +261,16 @@ def _finite(x, slab=1 << 16):
   return all(bool(check(x, t)) for t in starts)
 
 
-def section_text(table, device, bw, flops, finite, argv, chunk):
+def section_text(table, device, bw, flops, finite, argv, chunk, stress_heads):
   date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
   return (f"{SECTION}\n\nMeasured {date} on {device} with `python3 benchmarks/kda.py {argv}` "
-          f"(H={H}, D=K=V={D}, bf16 inputs, our chunk {chunk} (floor FLOPs at 64), no segments, no initial "
+          f"(H={H}, D=K=V={D}, bf16 inputs, our chunk {chunk}, no segments, no initial "
           f"state). Ceilings measured in "
           f"the same run: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s; floor = "
           f"max(bytes / copy, FLOPs / matmul). Rel err: worst of o and the five gradients against the "
           f"float32 XLA reference on the same bf16 inputs ('-': not computed in this run).\n\n{table}\n\n"
-          f"T=1M bf16 with every gate at -5 (B=1 H={H} D={D}), forward and backward finite: {finite}.\n")
+          f"T=1M bf16 with every gate at -5 (B=1 H={stress_heads} D={D}), forward and backward finite: "
+          f"{finite}.\n")
 
 
 def write_section(path, body):
@@ -403,10 +404,10 @@ def main():
   p.add_argument("--stress-heads", type=int, default=None, help="heads of the T=1M run (default H)")
   p.add_argument("--xla-max-t", type=int, default=1 << 30)
   pair = lambda s: tuple(int(x) for x in s.split(","))
-  p.add_argument("--sweep-prep", type=pair, nargs="*", default=[(32, 2), (64, 4), (64, 2), (32, 4)],
-                 help="block,num_warps pairs for the prep kernels")
+  p.add_argument("--sweep-prep", type=pair, nargs="*", default=[(32, 2), (32, 4, 2), (32, 4), (64, 4)],
+                 help="block,num_warps[,num_stages] for the prep kernels")
   p.add_argument("--sweep-scan", type=pair, nargs="*",
-                 default=[(16, 4, 2), (32, 4, 2), (64, 4, 2), (32, 4, 3), (32, 8, 2), (16, 2, 2)],
+                 default=[(32, 4, 3), (16, 4, 3), (32, 4, 2), (16, 4, 2), (64, 4, 3)],
                  help="block_v,num_warps,num_stages triples for the scans")
   p.add_argument("--sweep-grads", type=pair, nargs="*", default=[(64, 4), (128, 8), (32, 4)])
   p.add_argument("--sweep-chunks", type=int, nargs="*", default=[32], help="chunk sizes for --sweep")

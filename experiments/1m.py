@@ -19,6 +19,10 @@ from moejax.config import load_experiment
 def get_config():
   c = load_experiment(pathlib.Path(__file__).with_name("h200.py"))
   c.model.remat = "full"
+  # 64, not the default 32: at T=1M the KDA op alone (B=1, H=16, forward + backward) asked the H200
+  # for 61.25 GiB of temporaries at 32 against 46.13 GiB at 64 (2026-12-03), and this step is bounded by
+  # memory. Their times at 1M were not compared.
+  c.model.kda.chunk_size = 64
   # 8M routed rows at 1M tokens (top 8): run the experts over 128K tokens at a time, so one chunk's
   # rows and activations are live, not the whole row's.
   c.model.moe.token_chunk = 131_072

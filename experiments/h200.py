@@ -31,7 +31,6 @@ def get_config():
   m.kda.head_k_dim = 128
   m.kda.head_v_dim = 128
   m.kda.gate_rank = 128
-  m.kda.chunk_size = 32  # the default; BENCHMARKS.md "KDA kernel" compares 32 with 64
   m.mla.num_heads = 8
   m.mla.q_lora_rank = 384
   m.mla.kv_lora_rank = 256

@@ -2,6 +2,7 @@
 benchmark's pair count (the timing itself runs on the GPU, never in a test)."""
 
 import pathlib
+import subprocess
 import sys
 
 import flax.linen as nn
@@ -104,3 +105,12 @@ def test_kda_section_is_replaced_in_place(tmp_path):
   assert path.read_text() == "# Benchmarks\n\n## A\n\na\n\n## KDA kernel\n\nnew\n\n## C\n\nc\n"
   kda.write_section(str(tmp_path / "new.md"), "## KDA kernel\n\nx\n")
   assert (tmp_path / "new.md").read_text() == "# Benchmarks\n\n## KDA kernel\n\nx\n"
+
+
+def test_kda_stress_run_end_to_end():
+  """`kda.py --stress-only --stress-heads` at the smoke shapes (interpret mode): the T=1M run's path."""
+  root = pathlib.Path(__file__).resolve().parent.parent
+  out = subprocess.run([sys.executable, str(root / "benchmarks" / "kda.py"), "--smoke", "--stress-only",
+                        "--stress-heads", "1"], capture_output=True, text=True, timeout=300, cwd=root)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "(B=1 H=1 D=32, chunk 32), fwd+bwd finite: True" in out.stdout

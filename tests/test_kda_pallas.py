@@ -159,3 +159,13 @@ def test_default_implementation_on_cpu_is_xla():
   o, _ = chunk_kda(*qkvgb, chunk_size=16)
   o_xla, _ = chunk_kda(*qkvgb, chunk_size=16, implementation="xla")
   np.testing.assert_array_equal(o, o_xla)
+
+
+def test_launch_parameters_follow_the_chunk_unless_set():
+  """Unset launch parameters take the ones measured for the chunk size; set ones are kept."""
+  from pallas_kernels.kda.pallas_backend import Tuning
+  at_32, at_64 = Config().for_chunk(32), Config(prep_bwd=Tuning(8, 1)).for_chunk(64)
+  assert (at_32.prep_bwd, at_32.scan_fwd) == (Tuning(4, 2), Tuning(4, 3))
+  assert (at_64.prep_bwd, at_64.scan_fwd) == (Tuning(8, 1), Tuning(4, 2))
+  assert all(getattr(Config().for_chunk(c), n) is not None for c in (16, 128)
+             for n in ("prep_fwd", "state_grads", "prep_bwd", "scan_fwd", "scan_bwd"))

@@ -28,15 +28,12 @@ class Config:
   block_grads: int = 64         # and of the state-gradient kernel
   block_v_fwd: int | None = None  # V columns per program of the forward state pass (None: see block_v)
   block_v_bwd: int | None = None  # and of the backward one
-  # Launch parameters from `benchmarks/kda.py --sweep --sweep-chunks 32` (H200, 2026-12-03, chunk 32,
-  # B=2 T=8192 H=16; the scans also at B=1 T=131072): prep_fwd 0.520 ms at 2 warps against 0.599 at 4,
-  # prep_bwd 1.984 at 2 stages against 2.330, the scans 0.391 / 0.453 ms at 3 stages against
-  # 0.557 / 0.573 (4.997 / 5.654 against 7.795 / 7.922 ms with 16-column blocks at T=131072).
-  prep_fwd: Tuning = Tuning(num_warps=2, num_stages=1)
-  state_grads: Tuning = Tuning(num_warps=4, num_stages=1)
-  prep_bwd: Tuning = Tuning(num_warps=4, num_stages=2)
-  scan_fwd: Tuning = Tuning(num_warps=4, num_stages=3)
-  scan_bwd: Tuning = Tuning(num_warps=4, num_stages=3)
+  # Launch parameters; None: the measured default for the chunk size (`for_chunk`).
+  prep_fwd: Tuning | None = None
+  state_grads: Tuning | None = None
+  prep_bwd: Tuning | None = None
+  scan_fwd: Tuning | None = None
+  scan_bwd: Tuning | None = None
 
   def __post_init__(self):
     for name in ("block", "block_grads", "block_v_fwd", "block_v_bwd"):
@@ -44,12 +41,28 @@ class Config:
       if n is not None and (not isinstance(n, int) or n < 16 or n & (n - 1)):
         raise ValueError(f"Config.{name} must be a power of two >= 16 (Triton tiles), got {n!r}")
 
+  def for_chunk(self, chunk: int) -> "Config":
+    """This config with every unset launch parameter at the H200's best for `chunk` (BENCHMARKS.md,
+    "KDA kernel"). Chunks up to 32 take the chunk-32 sweep's winners (2026-12-03: prep_fwd 0.520 ms at
+    2 warps against 0.599 at 4, prep_bwd 1.984 at 2 stages against 2.330, the scans 0.391 / 0.453 ms at
+    3 stages against 0.557 / 0.573); larger chunks keep the settings measured at 64, where the deeper
+    pipelines were not tried and need more shared memory."""
+    measured = _AT_32 if chunk <= 32 else _AT_64
+    return dataclasses.replace(self, **{name: getattr(self, name) or tuning
+                                        for name, tuning in measured.items()})
+
   def block_v(self, chosen, B: int, H: int, V: int) -> int:
     """The scans' V block: 32 columns per program unless that leaves fewer than 128 programs (the
     H200 has 132 SMs and the scan is latency-bound), then 16."""
     if chosen is None:
       chosen = 32 if B * H * (V // 32) >= 128 else 16
     return min(chosen, V)
+
+
+_AT_32 = dict(prep_fwd=Tuning(2, 1), state_grads=Tuning(4, 1), prep_bwd=Tuning(4, 2), scan_fwd=Tuning(4, 3),
+              scan_bwd=Tuning(4, 3))
+_AT_64 = dict(prep_fwd=Tuning(4, 1), state_grads=Tuning(4, 1), prep_bwd=Tuning(4, 1), scan_fwd=Tuning(4, 2),
+              scan_bwd=Tuning(4, 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +153,6 @@ def chunk_kda_pallas(q, k, v, g, beta, scale, initial_state, reset_BT, *, chunk_
   Data in bf16 runs bf16 dots with float32 accumulation and state; any float32 operand among q, k, v
   makes every product exact float32.
   """
-  cfg = Config() if config is None else config
   if not interpret and jax.default_backend() != "gpu":
     raise ValueError(f"implementation='pallas' needs a GPU (backend is {jax.default_backend()!r}); use "
                      "'interpret' to run the same kernels on the CPU")
@@ -149,6 +161,7 @@ def chunk_kda_pallas(q, k, v, g, beta, scale, initial_state, reset_BT, *, chunk_
   C = chunk_size
   if C & (C - 1) or not 16 <= C <= 128:
     raise ValueError(f"the Pallas KDA kernel needs chunk_size in (16, 32, 64, 128), got {C}")
+  cfg = (Config() if config is None else config).for_chunk(C)
   if K > MAX_WIDTH or V > MAX_WIDTH:
     raise ValueError(f"the Pallas KDA kernel supports K and V up to {MAX_WIDTH}, got K={K} V={V}")
   f32_mode = any(jnp.dtype(x.dtype).itemsize >= 4 for x in (q, k, v))
