@@ -232,10 +232,10 @@ def main_table(args):
   table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                     + ["| " + " | ".join(r) + " |" for r in rows])
   print("\n" + table)
-  print(f"\nT=1M bf16, every gate at -5 (B=1 H={args.stress_heads or H} D={D}), fwd+bwd finite: {finite}")
+  print("\n" + stress_line(args.stress_heads, args.chunk, finite))
   if args.section_out:
-    write_section(args.section_out, section_text(table, device, bw, flops, finite, " ".join(sys.argv[1:]),
-                                                 args.chunk, args.stress_heads or H))
+    write_section(args.section_out, section_text(table, device, bw, flops, " ".join(sys.argv[1:]), args.chunk,
+                                                 stress_line(args.stress_heads, args.chunk, finite)))
 
 
 def stress_1m(fns, heads=None):
@@ -251,17 +251,27 @@ def stress_1m(fns, heads=None):
   return all(_finite(x) for x in outs)
 
 
+def stress_line(heads, chunk, finite):
+  return (f"T=1M bf16, every gate at -5 (B=1 H={heads or H} D={D}, chunk {chunk}), forward and backward "
+          f"finite: {finite}")
+
+
 def _finite(x, slab=1 << 16):
   """Whether every entry of x [B,T,...] is finite, by slabs of T: max |x| of each slab is NaN or Inf
   exactly when an entry is, and no temporary as large as x is made."""
-  jax, jnp = _jax()
   slab = min(slab, x.shape[1])
-  check = jax.jit(lambda x, t: jnp.isfinite(jnp.max(jnp.abs(jax.lax.dynamic_slice_in_dim(x, t, slab, 1)))))
   starts = sorted({min(t, x.shape[1] - slab) for t in range(0, x.shape[1], slab)})
-  return all(bool(check(x, t)) for t in starts)
+  return all(bool(_slab_is_finite(slab)(x, t)) for t in starts)
 
 
-def section_text(table, device, bw, flops, finite, argv, chunk, stress_heads):
+@functools.cache
+def _slab_is_finite(slab: int):
+  """One jitted check per slab size, so same-shaped outputs share its compilation."""
+  jax, jnp = _jax()
+  return jax.jit(lambda x, t: jnp.isfinite(jnp.max(jnp.abs(jax.lax.dynamic_slice_in_dim(x, t, slab, 1)))))
+
+
+def section_text(table, device, bw, flops, argv, chunk, stress):
   date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
   return (f"{SECTION}\n\nMeasured {date} on {device} with `python3 benchmarks/kda.py {argv}` "
           f"(H={H}, D=K=V={D}, bf16 inputs, our chunk {chunk}, no segments, no initial "
@@ -269,8 +279,7 @@ def section_text(table, device, bw, flops, finite, argv, chunk, stress_heads):
           f"the same run: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s; floor = "
           f"max(bytes / copy, FLOPs / matmul). Rel err: worst of o and the five gradients against the "
           f"float32 XLA reference on the same bf16 inputs ('-': not computed in this run).\n\n{table}\n\n"
-          f"T=1M bf16 with every gate at -5 (B=1 H={stress_heads} D={D}), forward and backward finite: "
-          f"{finite}.\n")
+          f"{stress}.\n")
 
 
 def write_section(path, body):
@@ -426,8 +435,7 @@ def main():
     return sweep(args)
   if args.stress_only:
     finite = stress_1m(kda_fns("pallas", chunk=args.chunk), args.stress_heads)
-    print(f"T=1M bf16, every gate at -5 (B=1 H={args.stress_heads or H} D={D}, chunk {args.chunk}), "
-          f"fwd+bwd finite: {finite}")
+    print(stress_line(args.stress_heads, args.chunk, finite))
     return
   main_table(args)
 

@@ -44,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks import trace_parts as profile_lib  # noqa: E402
+from benchmarks import trace_parts  # noqa: E402
 from benchmarks.flops import (  # noqa: E402
   causal_attention_forward_flops_per_token,
   kda_forward_flops_per_token,
@@ -240,10 +240,10 @@ def _time_steps(step, state, batch, steps, optimizer, warmup: int, profile_dir: 
   profile = None
   if profile_dir:
     log(f"tracing {PROFILED_STEPS} steps into {profile_dir}")
-    events, state = profile_lib.trace_steps(step, state, batch, PROFILED_STEPS, profile_dir)
-    names = profile_lib.op_names(step.as_text())
-    profile = profile_lib.table(events, names, PROFILED_STEPS, seconds * 1e3)
-    profile_lib.write_ops(os.path.join(profile_dir, "ops.tsv"), events, names, PROFILED_STEPS)
+    events, state = trace_parts.trace_steps(step, state, batch, PROFILED_STEPS, profile_dir)
+    names = trace_parts.op_names(step.as_text())
+    profile = trace_parts.table(events, names, PROFILED_STEPS, seconds * 1e3)
+    trace_parts.write_ops(os.path.join(profile_dir, "ops.tsv"), events, names, PROFILED_STEPS)
     log(f"every op's time: {os.path.join(profile_dir, 'ops.tsv')}")
   return {"step_s": seconds, "compile_s": compile_s, "loss": loss, "params": state.params,
           "dropped": float(metrics.get("moe/dropped", 0.0)), "optimizer": optimizer, "state": state,
