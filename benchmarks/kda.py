@@ -374,12 +374,12 @@ def main_check(args):
   inputs = make_inputs(B, T, seed=7)
   seg = jnp.asarray((jnp.arange(T)[None] >= jnp.asarray([[T // 3], [T - 1]])).astype(jnp.int32))
   S0 = jax.random.normal(jax.random.key(2), (B, H, D, D), jnp.float32)
-  for dtype in (jnp.bfloat16, jnp.float32):
+  for C, dtype in itertools.product(args.check_chunks, (jnp.bfloat16, jnp.float32)):
     xs = tuple(x.astype(dtype) for x in inputs)
 
     def f(impl, q, k, v, g, beta, S0):
       return chunk_kda(q, k, v, g, beta, initial_state=S0, output_final_state=True, segment_ids=seg,
-                       implementation=impl)
+                       chunk_size=C, implementation=impl)
 
     def both(impl, *a):
       out, vjp = jax.vjp(functools.partial(f, impl), *a[:5], a[6])
@@ -390,7 +390,7 @@ def main_check(args):
     names = ("o", "S_T", "dq", "dk", "dv", "dg", "dbeta", "dS0")
     errs = [f"{n}={float(jnp.linalg.norm(a.astype(jnp.float32) - r) / jnp.linalg.norm(r)):.1e}"
             for n, a, r in zip(names, got, ref, strict=True)]
-    print(f"check {jnp.dtype(dtype).name}: " + " ".join(errs), flush=True)
+    print(f"check C={C} {jnp.dtype(dtype).name}: " + " ".join(errs), flush=True)
 
 
 def main():
@@ -398,6 +398,7 @@ def main():
   p.add_argument("--fla-child")
   p.add_argument("--sweep", action="store_true")
   p.add_argument("--check", action="store_true")
+  p.add_argument("--check-chunks", type=int, nargs="*", default=[32, 64, 128], help="chunk sizes for --check")
   p.add_argument("--section-out", help="write the KDA section (table, command, date, device) into this "
                  "markdown file, replacing an older one (BENCHMARKS.md, or a file under $OUT)")
   p.add_argument("--fla-design", action="store_true", help="without --fla runs: fla ratios from DESIGN §7")
