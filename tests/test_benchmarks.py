@@ -114,13 +114,3 @@ def test_kda_stress_run_end_to_end():
                         "--stress-heads", "1"], capture_output=True, text=True, timeout=300, cwd=root)
   assert out.returncode == 0, out.stderr[-2000:]
   assert "(B=1 H=1 D=32, chunk 32), forward and backward finite: True" in out.stdout
-
-
-def test_grouped_glu_benchmark_end_to_end():
-  """`grouped_glu.py --smoke` (interpret mode): both paths run, agree with the float32 run, and the ratio
-  line is printed."""
-  root = pathlib.Path(__file__).resolve().parent.parent
-  out = subprocess.run([sys.executable, str(root / "benchmarks" / "grouped_glu.py"), "--smoke"],
-                       capture_output=True, text=True, timeout=300, cwd=root)
-  assert out.returncode == 0, out.stderr[-2000:]
-  assert "fused speed-up: fwd" in out.stdout and "ABOVE TOLERANCE" not in out.stdout

@@ -1,8 +1,8 @@
 """Dropless local dispatch: sort (token, slot) pairs by expert, grouped SiTU-GLU, un-sort, combine.
 
-The grouped matmuls are `pallas_kernels.gmm` (`implementation`: "auto" is the Pallas kernels, with
-SiTU-GLU fused into them, on GPU and `jax.lax.ragged_dot` elsewhere). Rows past the sum of the group
-sizes come out as zeros, which the expert-parallel paths rely on for padding.
+The grouped matmuls are `pallas_kernels.gmm` (`implementation`: "auto" is the Pallas kernel on GPU
+and `jax.lax.ragged_dot` elsewhere). Rows past the sum of the group sizes come out as zeros, which the
+expert-parallel paths rely on for padding.
 """
 
 import functools
@@ -13,31 +13,26 @@ import jax.numpy as jnp
 from moejax.config import GROUPED_MATMULS
 from moejax.layers.ffn import situ_glu
 from pallas_kernels.gmm import gmm
-from pallas_kernels.gmm.ops import resolve_implementation
-from pallas_kernels.gmm.situ_glu import grouped_situ_glu_fused
 
 
 def grouped_situ_glu(x_RL, group_sizes_G, w_gate_GLF, w_up_GLF, w_down_GFL, b1: float, b2: float,
                      implementation: str = "auto"):
   """Row r, in group g, gets W_d[g] situ_glu(W_g[g] x_r, W_u[g] x_r). Returns [R, L] in x's dtype.
 
-  With the Pallas kernels ("pallas", or "auto" on GPU; "interpret" on CPU) SiTU-GLU runs inside the
-  grouped matmuls in both directions (pallas_kernels.gmm.situ_glu). With "xla" it is three
-  jax.lax.ragged_dot calls around the element-wise `situ_glu`. The matmuls accumulate in float32 and
-  write x's dtype: with bfloat16 compute their float32 outputs would be the largest buffers of the layer
-  (k rows per token, F wide), and SiTU-GLU and the combine upcast anyway.
+  Gate and up are two grouped matmuls. One over [W_g | W_u] measured 2% faster alone (BENCHMARKS.md,
+  "Grouped matmul"), but in the H200 step slicing its [R, 2F] output in two and concatenating the two
+  gradients cost 0.7 ms per layer each way. The matmuls accumulate in float32 and write x's dtype:
+  with bfloat16 compute their float32 outputs would be the largest buffers of the layer (k rows per
+  token, F wide), and SiTU-GLU and the combine upcast anyway.
   """
   if implementation not in GROUPED_MATMULS:
     raise ValueError(f"grouped matmul implementation {implementation!r} not in {GROUPED_MATMULS}")
   dtype = x_RL.dtype
   gs = group_sizes_G.astype(jnp.int32)
-  impl = resolve_implementation(None if implementation == "auto" else implementation)
-  weights = tuple(w.astype(dtype) for w in (w_gate_GLF, w_up_GLF, w_down_GFL))
-  if impl != "xla":
-    return grouped_situ_glu_fused(x_RL, gs, *weights, b1, b2, interpret=impl == "interpret")
-  rdot = lambda a, w: gmm(a, w, gs, preferred_element_type=dtype, implementation="xla")
-  h_RF = situ_glu(rdot(x_RL, weights[0]), rdot(x_RL, weights[1]), b1, b2)
-  return rdot(h_RF, weights[2])
+  impl = None if implementation == "auto" else implementation
+  rdot = lambda a, w: gmm(a, w.astype(dtype), gs, preferred_element_type=dtype, implementation=impl)
+  h_RF = situ_glu(rdot(x_RL, w_gate_GLF), rdot(x_RL, w_up_GLF), b1, b2)
+  return rdot(h_RF, w_down_GFL)
 
 
 def sort_by_expert(idx_MK, num_experts: int):

@@ -8,7 +8,19 @@ import jax
 import jax.numpy as jnp
 
 from moejax.nn import Dense, dense_apply
-from pallas_kernels.gmm.situ_glu import situ_factors, situ_grads
+
+
+def _situ(g32, u32, b1: float, b2: float):
+  """The two factors of SiTU-GLU, float32: (b1 tanh(g/b1) sigmoid(g), b2 tanh(u/b2))."""
+  return b1 * jnp.tanh(g32 / b1) * jax.nn.sigmoid(g32), b2 * jnp.tanh(u32 / b2)
+
+
+def _situ_grads(g32, u32, dh32, b1: float, b2: float):
+  """(dL/dgate, dL/dup) of h = A(g) B(u), float32, with A' = (1 - tanh^2(g/b1)) s + b1 tanh(g/b1) s (1-s)
+  for s = sigmoid(g), and B' = 1 - tanh^2(u/b2)."""
+  tg, s, tu = jnp.tanh(g32 / b1), jax.nn.sigmoid(g32), jnp.tanh(u32 / b2)
+  dA = (1.0 - tg * tg) * s + b1 * tg * s * (1.0 - s)
+  return dh32 * (b2 * tu) * dA, dh32 * (b1 * tg * s) * (1.0 - tu * tu)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -19,7 +31,7 @@ def situ_glu(gate, up, b1: float = 4.0, b2: float = 25.0):
   dtype. The backward pass keeps only gate and up and recomputes the rest in one element-wise pass
   (autodiff kept float32 intermediates of the [tokens, hidden] activations).
   """
-  a, b = situ_factors(gate.astype(jnp.float32), up.astype(jnp.float32), b1, b2)
+  a, b = _situ(gate.astype(jnp.float32), up.astype(jnp.float32), b1, b2)
   return (a * b).astype(gate.dtype)
 
 
@@ -29,7 +41,7 @@ def _situ_glu_fwd(gate, up, b1, b2):
 
 def _situ_glu_bwd(b1, b2, res, dh):
   gate, up = res
-  dg, du = situ_grads(gate.astype(jnp.float32), up.astype(jnp.float32), dh.astype(jnp.float32), b1, b2)
+  dg, du = _situ_grads(gate.astype(jnp.float32), up.astype(jnp.float32), dh.astype(jnp.float32), b1, b2)
   return dg.astype(gate.dtype), du.astype(up.dtype)
 
 
