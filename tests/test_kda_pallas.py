@@ -167,5 +167,9 @@ def test_launch_parameters_follow_the_chunk_unless_set():
   at_32, at_64 = Config().for_chunk(32), Config(prep_bwd=Tuning(8, 1)).for_chunk(64)
   assert (at_32.prep_bwd, at_32.scan_fwd) == (Tuning(4, 2), Tuning(4, 3))
   assert (at_64.prep_bwd, at_64.scan_fwd) == (Tuning(8, 1), Tuning(4, 2))
+  # Chunk 128 runs unpipelined: deeper pipelines overflow the H200's shared memory there.
+  at_128 = Config().for_chunk(128)
+  assert all(getattr(at_128, n).num_stages == 1
+             for n in ("prep_fwd", "state_grads", "prep_bwd", "scan_fwd", "scan_bwd"))
   assert all(getattr(Config().for_chunk(c), n) is not None for c in (16, 128)
              for n in ("prep_fwd", "state_grads", "prep_bwd", "scan_fwd", "scan_bwd"))

@@ -45,9 +45,10 @@ class Config:
     """This config with every unset launch parameter at the H200's best for `chunk` (BENCHMARKS.md,
     "KDA kernel"). Chunks up to 32 take the chunk-32 sweep's winners (2026-12-03: prep_fwd 0.520 ms at
     2 warps against 0.599 at 4, prep_bwd 1.984 at 2 stages against 2.330, the scans 0.391 / 0.453 ms at
-    3 stages against 0.557 / 0.573); larger chunks keep the settings measured at 64, where the deeper
-    pipelines were not tried and need more shared memory."""
-    measured = _AT_32 if chunk <= 32 else _AT_64
+    3 stages against 0.557 / 0.573); chunks of 64 keep the settings measured at 64, where the deeper
+    pipelines were not tried and need more shared memory. At 128 those asked for 284 KiB of shared
+    memory (the H200 has 227), so every kernel runs unpipelined there (correct on the H200, not timed)."""
+    measured = _AT_32 if chunk <= 32 else _AT_64 if chunk <= 64 else _AT_128
     return dataclasses.replace(self, **{name: getattr(self, name) or tuning
                                         for name, tuning in measured.items()})
 
@@ -63,6 +64,8 @@ _AT_32 = dict(prep_fwd=Tuning(2, 1), state_grads=Tuning(4, 1), prep_bwd=Tuning(4
               scan_bwd=Tuning(4, 3))
 _AT_64 = dict(prep_fwd=Tuning(4, 1), state_grads=Tuning(4, 1), prep_bwd=Tuning(4, 1), scan_fwd=Tuning(4, 2),
               scan_bwd=Tuning(4, 2))
+_AT_128 = dict(prep_fwd=Tuning(4, 1), state_grads=Tuning(4, 1), prep_bwd=Tuning(4, 1), scan_fwd=Tuning(4, 1),
+               scan_bwd=Tuning(4, 1))
 
 
 @dataclasses.dataclass(frozen=True)
