@@ -377,7 +377,7 @@ def main_check(args):
   for C, dtype in itertools.product(args.check_chunks, (jnp.bfloat16, jnp.float32)):
     xs = tuple(x.astype(dtype) for x in inputs)
 
-    def f(impl, q, k, v, g, beta, S0):
+    def f(impl, q, k, v, g, beta, S0, C=C):
       return chunk_kda(q, k, v, g, beta, initial_state=S0, output_final_state=True, segment_ids=seg,
                        chunk_size=C, implementation=impl)
 

@@ -27,8 +27,6 @@ from optax.contrib import MuonDimensionNumbers
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
-# Arrays with at least this many matrices are orthogonalised alone, never stacked (orthogonalise_many).
-STACK_BELOW = 16
 
 
 class MuonState(NamedTuple):
@@ -84,26 +82,21 @@ def orthogonalise_many(xs: list, dims: list, ns_dtype, steps: int = NS_STEPS,
   """`orthogonalise` of each array, with the arrays of equal shape, dimension numbers and key (e.g.
   their logical axes, hence their sharding) stacked on a new leading axis and iterated together: one
   Newton-Schulz per group of like matrices (the same projection in every layer) instead of one per
-  array, whose small matmuls would otherwise each pay a kernel's fixed cost. Arrays of STACK_BELOW or
-  more matrices each go alone. Per matrix, the same arithmetic."""
+  array, whose small matmuls would otherwise each pay a kernel's fixed cost. Per matrix, the same
+  arithmetic."""
   groups: dict = {}
   for i, (x, d) in enumerate(zip(xs, dims, strict=True)):
-    # An array that already holds many matrices (experts) gives its batched matmuls enough work on its
-    # own: stacking it would only add a copy (5.4 ms per H200 step for the expert weights).
-    alone = matrix_sizes(x, d)[0] >= STACK_BELOW
-    key = (tuple(x.shape), jnp.dtype(x.dtype).name, _axes(x, d), None if keys is None else keys[i],
-           i if alone else None)
+    key = (tuple(x.shape), jnp.dtype(x.dtype).name, _axes(x, d), None if keys is None else keys[i])
     groups.setdefault(key, []).append(i)
   out = [None] * len(xs)
-  for (_, _, (_, red, outs), _, _), idx in groups.items():
+  for (_, _, (_, red, outs), _), idx in groups.items():
     if len(idx) == 1:
       out[idx[0]] = orthogonalise(xs[idx[0]], dims[idx[0]], ns_dtype, steps)
       continue
-    # The new leading axis is one more batch axis. The iteration's dtype is taken before stacking, so
-    # the copy moves ns_dtype (orthogonalise rounds to it first anyway).
+    # The new leading axis is one more batch axis.
     shifted = MuonDimensionNumbers(reduction_axis=tuple(a + 1 for a in red),
                                    output_axis=tuple(a + 1 for a in outs))
-    o = orthogonalise(jnp.stack([xs[i].astype(ns_dtype) for i in idx]), shifted, ns_dtype, steps)
+    o = orthogonalise(jnp.stack([xs[i] for i in idx]), shifted, ns_dtype, steps)
     for j, i in enumerate(idx):
       out[i] = o[j]
   return out

@@ -129,28 +129,22 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     (loss, (metrics, stats)), grads = grad_fn(state.params, state.balance, batch)
     # The named scopes label the step's parts in profiles (benchmarks/trace_parts.py).
-    router_stats = stats.get("router", {})
     with jax.named_scope("optimizer"):
       grad_norm = optax.tree.norm(grads)
+      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+      if config.optim.qk_clip_tau > 0:
+        params = qk_clip(params, _mla_max_logits(stats.get("attn_stats", {})), config.optim.qk_clip_tau)
+    router_stats = stats.get("router", {})
+    new_balance = balance_lib.next_balance_state(cfg.moe.balance, state.balance, router_stats, cfg.moe)
 
-    def update(params, opt_state, balance):
-      with jax.named_scope("optimizer"):
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        if config.optim.qk_clip_tau > 0:
-          params = qk_clip(params, _mla_max_logits(stats.get("attn_stats", {})), config.optim.qk_clip_tau)
-      balance = balance_lib.next_balance_state(cfg.moe.balance, balance, router_stats, cfg.moe)
-      return params, opt_state, balance
-
-    # A non-finite loss or gradient skips the whole update, balance state included. A branch rather
-    # than a select per leaf: the select read the old and the new state and wrote it again every step
-    # (about 4 ms per H200 step), for a case that should never happen.
+    # A non-finite loss or gradient skips the whole update, balance state included.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    params, opt_state, balance = jax.lax.cond(finite, update, lambda *old: old, state.params,
-                                              state.opt_state, state.balance)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     next_state = TrainState(
-        step=state.step + 1, params=params, opt_state=opt_state, balance=balance,
-        rng=jax.random.fold_in(state.rng, state.step), bad_steps=jnp.where(finite, 0, state.bad_steps + 1))
+        step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
+        balance=keep(new_balance, state.balance), rng=jax.random.fold_in(state.rng, state.step),
+        bad_steps=jnp.where(finite, 0, state.bad_steps + 1))
     # The rate this update used: the schedule follows the optimizer's count, which a skipped step
     # does not advance, so after skips it lags the step.
     count = applied_updates(state.opt_state)
@@ -159,7 +153,7 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
       lrs["adam_lr"] = adam_schedule(count)
     metrics = {**metrics, **lrs, "loss": loss, "grad_norm": grad_norm, "finite": finite,
                "bad_steps": next_state.bad_steps,
-               **metrics_lib.balance_metrics(per_layer(router_stats, cfg), per_layer(balance, cfg),
+               **metrics_lib.balance_metrics(per_layer(router_stats, cfg), per_layer(new_balance, cfg),
                                              cfg.moe.top_k)}
     return next_state, metrics
 
