@@ -148,6 +148,9 @@ def test_bad_inputs_raise_clear_errors():
   big = make_inputs(0, 1, 4, 1, 264, 8)[0]
   with pytest.raises(ValueError, match="K and V up to 256"):
     chunk_kda(*big, implementation="interpret")
+  wide = make_inputs(0, 1, 4, 1, 136, 8)[0]  # padded to 256 wide
+  with pytest.raises(ValueError, match="at chunk_size 128 supports K and V up to 128"):
+    chunk_kda(*wide, chunk_size=128, implementation="interpret")
   with pytest.raises(ValueError, match="needs a GPU"):
     chunk_kda(*qkvgb, implementation="pallas")
   with pytest.raises(ValueError, match="block_v_fwd must be a power of two"):

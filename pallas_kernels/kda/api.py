@@ -32,7 +32,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
       gradients of one document do not depend on any other document (cross-document gradients are
       exact zeros, not just small).
     chunk_size: inter-chunk scan length; a positive multiple of 16 (a power of two up to 128 for the
-      Pallas kernel). T need not divide by it.
+      Pallas kernel, 128 only with K and V up to 128). T need not divide by it.
     implementation: None ("pallas" on GPU, "xla" elsewhere), "xla" (chunked matmul form), "recurrent"
       (token-by-token lax.scan), "pallas" (Pallas GPU kernels), "interpret" (the same kernels in Pallas
       interpret mode, e.g. on CPU).

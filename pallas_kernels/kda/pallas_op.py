@@ -167,6 +167,10 @@ def chunk_kda_pallas(q, k, v, g, beta, scale, initial_state, reset_BT, *, chunk_
   cfg = (Config() if config is None else config).for_chunk(C)
   if K > MAX_WIDTH or V > MAX_WIDTH:
     raise ValueError(f"the Pallas KDA kernel supports K and V up to {MAX_WIDTH}, got K={K} V={V}")
+  if C == 128 and max(_width(K), _width(V)) > 128:
+    # Measured on the H200: even unpipelined, the kernels asked for 264 KiB of shared memory (227 KiB).
+    raise ValueError(f"the Pallas KDA kernel at chunk_size 128 supports K and V up to 128 (wider tiles "
+                     f"overflow the GPU's shared memory), got K={K} V={V}; use chunk_size 64 or less")
   f32_mode = any(jnp.dtype(x.dtype).itemsize >= 4 for x in (q, k, v))
   store_dtype = jnp.dtype(jnp.float32 if f32_mode else jnp.bfloat16)
   s = _static_scale(scale)
