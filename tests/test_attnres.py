@@ -119,3 +119,67 @@ def test_gradient_reaches_query_and_sources():
 def test_empty_sources_rejected():
   with pytest.raises(ValueError, match="at least one source"):
     AttnResQuery().init(jax.random.key(0), [])
+
+
+def _mix_autodiff(w, sources, stacked, valid, eps=1e-6):
+  """The mixture as plain JAX for autodiff to differentiate: no custom VJP, float32 throughout."""
+  vs = ([] if stacked is None else [stacked[i] for i in range(stacked.shape[0])]) + list(sources)
+  v = jnp.stack([x.astype(jnp.float32) for x in vs])
+  keys = v * jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
+  logits = jnp.einsum("sbtd,d->sbt", keys, w, precision="highest")
+  if stacked is not None:
+    mask = jnp.concatenate([valid, jnp.ones((len(sources),), bool)])
+    logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
+  return jnp.einsum("sbt,sbtd->btd", jax.nn.softmax(logits, axis=0), v, precision="highest")
+
+
+@settings(max_examples=10, deadline=None)
+@given(num_sources=st.integers(0, 4), num_slots=st.integers(0, 4), seed=st.integers(0, 2**31 - 1),
+       data=st.data())
+def test_mix_gradients_match_autodiff(num_sources, num_slots, seed, data):
+  """attnres_mix's own backward pass against autodiff of the formula: the query, every source and the
+  stacked slots (some masked off), with sources of very different scales."""
+  from moejax.layers.attnres import attnres_mix
+
+  if num_sources + num_slots == 0:
+    num_sources = 1
+  valid = np.asarray(data.draw(st.lists(st.booleans(), min_size=num_slots, max_size=num_slots)), bool)
+  if num_slots and not valid.any() and num_sources == 0:
+    valid[0] = True
+  rng = np.random.default_rng(seed)
+  B, T, D = 2, 3, 16
+  scale = lambda: 10.0 ** rng.uniform(-1, 1)
+  sources = tuple(jnp.asarray(scale() * rng.normal(size=(B, T, D)), jnp.float32) for _ in range(num_sources))
+  stacked = (jnp.asarray(scale() * rng.normal(size=(num_slots, B, T, D)), jnp.float32) if num_slots
+             else None)
+  valid_N = jnp.asarray(valid) if num_slots else None
+  w = jnp.asarray(rng.normal(size=(D,)), jnp.float32)
+  dh = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
+
+  def value_and_grads(f):
+    h, vjp = jax.vjp(lambda w, s, st_: f(w, s, st_, valid_N), w, sources, stacked)
+    return h, vjp(dh)
+
+  got = value_and_grads(lambda *a: attnres_mix(*a, 1e-6))
+  want = value_and_grads(_mix_autodiff)
+  chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
+  if num_slots:  # masked slots take no part, so they get exact zeros
+    assert not np.any(np.asarray(got[1][2])[~valid])
+
+
+def test_mix_keeps_no_float32_copy_of_a_source():
+  """With bf16 sources the backward pass's residuals hold the sources as given and per-row scalars,
+  while autodiff of the same formula keeps float32 [B, T, D] copies (which is what this guards)."""
+  from moejax.layers.attnres import attnres_mix
+
+  B, T, D = 2, 8, 32
+  sources = tuple(jax.random.normal(jax.random.key(i), (B, T, D), jnp.bfloat16) for i in range(3))
+  w = jnp.ones((D,), jnp.float32)
+
+  def big_float32_residuals(f):
+    _, vjp = jax.vjp(f, w, sources)
+    return [x.shape for x in jax.tree.leaves(vjp) if x.dtype == jnp.float32 and x.shape[-1] == D
+            and x.size >= B * T * D]
+
+  assert big_float32_residuals(lambda w, s: attnres_mix(w, s, None, None, 1e-6)) == []
+  assert big_float32_residuals(lambda w, s: _mix_autodiff(w, s, None, None))

@@ -14,12 +14,13 @@ state has the same structure after every period of a scan over layers (moejax/mo
 """
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moejax.nn import logical_param, rms_norm
+from moejax.nn import logical_param
 
 
 class AttnResQuery(nn.Module):
@@ -38,22 +39,81 @@ class AttnResQuery(nn.Module):
       raise ValueError("AttnResQuery needs at least one source")
     first = sources[0] if sources else stacked[0]
     w_D = logical_param(self, "query", nn.initializers.zeros, (first.shape[-1],), ("embed",))
-    # Keys are normalised so that a source's scale does not buy it attention; values are not, so the
-    # mixture keeps the magnitudes the sublayers produced.
-    score = lambda v: jnp.einsum("...d,d->...", rms_norm(v, eps=self.eps), w_D)
-    logits = [score(v)[None] for v in sources]
-    if stacked is not None:
-      logits_NBT = score(stacked)
-      if valid_N is not None:
-        logits_NBT = jnp.where(valid_N[:, None, None], logits_NBT, -jnp.inf)
-      logits.insert(0, logits_NBT)
-    a_SBT = jax.nn.softmax(jnp.concatenate(logits), axis=0)
-    n = 0 if stacked is None else stacked.shape[0]
-    h_BTD = sum((a_SBT[n + i][..., None] * v.astype(jnp.float32) for i, v in enumerate(sources)),
-                jnp.zeros(first.shape, jnp.float32))
-    if stacked is not None:
-      h_BTD = h_BTD + jnp.einsum("nbt,nbtd->btd", a_SBT[:n], stacked.astype(jnp.float32))
-    return h_BTD.astype(first.dtype)
+    if stacked is not None and valid_N is None:
+      valid_N = jnp.ones((stacked.shape[0],), bool)
+    return attnres_mix(w_D, tuple(sources), stacked, valid_N, self.eps).astype(first.dtype)
+
+
+def _scores(w_D, v, eps):
+  """(1/rms(v), v.w) per row of v [..., D], float32. Keys are normalised so that a source's scale does
+  not buy it attention; values are not, so the mixture keeps the magnitudes the sublayers produced."""
+  v32 = v.astype(jnp.float32)
+  r = jax.lax.rsqrt(jnp.mean(v32 * v32, axis=-1) + eps)
+  return r, jnp.einsum("...d,d->...", v32, w_D.astype(jnp.float32), precision="highest")
+
+
+def _mix_forward(w_D, sources, stacked, valid_N, eps):
+  parts = ([] if stacked is None else [stacked]) + list(sources)
+  r_vw = [_scores(w_D, v, eps) for v in parts]
+  logits = [vw * r if v.ndim == 4 else (vw * r)[None] for v, (r, vw) in zip(parts, r_vw, strict=True)]
+  if stacked is not None:
+    logits[0] = jnp.where(valid_N[:, None, None], logits[0], -jnp.inf)
+  a_SBT = jax.nn.softmax(jnp.concatenate(logits), axis=0)
+  a_parts = _split(a_SBT, parts)
+  h_BTD = sum(_weighted(a, v) for a, v in zip(a_parts, parts, strict=True))
+  return h_BTD, (w_D, sources, stacked, valid_N, a_SBT, r_vw)
+
+
+def _split(x_S, parts):
+  """x [S, ...] cut into one piece per part: [N, ...] for the stacked part, [...] for each source."""
+  out, i = [], 0
+  for v in parts:
+    n = v.shape[0] if v.ndim == 4 else None
+    out.append(x_S[i:i + n] if n is not None else x_S[i])
+    i += n or 1
+  return out
+
+
+def _weighted(a, v):
+  """sum over the leading stacked axis, if any, of a[..., None] * v, float32."""
+  prod = a[..., None] * v.astype(jnp.float32)
+  return prod.sum(axis=0) if v.ndim == 4 else prod
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def attnres_mix(w_D, sources: tuple, stacked, valid_N, eps: float):
+  """h = sum_i a_i v_i, a = softmax_i(w . RMSNorm(v_i)), float32 [B,T,D], over the [B,T,D] `sources` and
+  the [N,B,T,D] `stacked` slots where `valid_N` (stacked slots come first in the softmax).
+
+  The backward pass keeps only the sources as given (bfloat16 in a bf16 model) and per-row scalars
+  (the weights a, 1/rms and v.w): autodiff of the same formula kept float32 copies of every source
+  for both the key norm and the weighted sum, which at T=1M were 4 GiB per source and layer.
+  """
+  return _mix_forward(w_D, sources, stacked, valid_N, eps)[0]
+
+
+def _mix_backward(eps, res, dh_BTD):
+  w_D, sources, stacked, valid_N, a_SBT, r_vw = res
+  parts = ([] if stacked is None else [stacked]) + list(sources)
+  dh = dh_BTD.astype(jnp.float32)
+  w32 = w_D.astype(jnp.float32)
+  d = w_D.shape[0]
+  # da_i = v_i . dh, then the softmax's backward: dlogit_i = a_i (da_i - sum_j a_j da_j).
+  da = [jnp.sum(v.astype(jnp.float32) * dh, axis=-1) for v in parts]
+  da_SBT = jnp.concatenate([x if v.ndim == 4 else x[None] for x, v in zip(da, parts, strict=True)])
+  dlogit_SBT = a_SBT * (da_SBT - jnp.sum(a_SBT * da_SBT, axis=0, keepdims=True))
+  dvs, dw = [], jnp.zeros_like(w32)
+  for v, a, dl, (r, vw) in zip(parts, _split(a_SBT, parts), _split(dlogit_SBT, parts), r_vw, strict=True):
+    v32 = v.astype(jnp.float32)
+    # logit = (v.w) r with r = (mean(v^2) + eps)^(-1/2): dlogit/dv = r w - (v.w) r^3 v / D.
+    dv = a[..., None] * dh + dl[..., None] * (r[..., None] * w32 - (vw * r ** 3 / d)[..., None] * v32)
+    dvs.append(dv.astype(v.dtype))
+    dw = dw + jnp.einsum("...,...d->d", dl * r, v32, precision="highest")
+  d_stacked = dvs.pop(0) if stacked is not None else None
+  return dw.astype(w_D.dtype), tuple(dvs), d_stacked, None
+
+
+attnres_mix.defvjp(_mix_forward, _mix_backward)
 
 
 @jax.tree_util.register_dataclass
