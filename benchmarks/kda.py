@@ -398,7 +398,7 @@ def main():
   p.add_argument("--fla-child")
   p.add_argument("--sweep", action="store_true")
   p.add_argument("--check", action="store_true")
-  p.add_argument("--check-chunks", type=int, nargs="*", default=[32, 64, 128], help="chunk sizes for --check")
+  p.add_argument("--check-chunks", type=int, nargs="+", default=[32, 64, 128], help="chunk sizes for --check")
   p.add_argument("--section-out", help="write the KDA section (table, command, date, device) into this "
                  "markdown file, replacing an older one (BENCHMARKS.md, or a file under $OUT)")
   p.add_argument("--fla-design", action="store_true", help="without --fla runs: fla ratios from DESIGN §7")

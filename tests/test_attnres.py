@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from moejax.layers.attnres import AttnResQuery, ResidualState
@@ -133,9 +133,12 @@ def _mix_autodiff(w, sources, stacked, valid, eps=1e-6):
   return jnp.einsum("sbt,sbtd->btd", jax.nn.softmax(logits, axis=0), v, precision="highest")
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(num_sources=st.integers(0, 4), num_slots=st.integers(0, 4), seed=st.integers(0, 2**31 - 1),
        data=st.data())
+@example(num_sources=0, num_slots=3, seed=1, data=[False, True, False])      # stacked slots only
+@example(num_sources=2, num_slots=2, seed=2, data=[False, False])            # every slot masked off
+@example(num_sources=3, num_slots=0, seed=3, data=[])                        # list sources only
 def test_mix_gradients_match_autodiff(num_sources, num_slots, seed, data):
   """attnres_mix's own backward pass against autodiff of the formula: the query, every source and the
   stacked slots (some masked off), with sources of very different scales."""
@@ -143,7 +146,9 @@ def test_mix_gradients_match_autodiff(num_sources, num_slots, seed, data):
 
   if num_sources + num_slots == 0:
     num_sources = 1
-  valid = np.asarray(data.draw(st.lists(st.booleans(), min_size=num_slots, max_size=num_slots)), bool)
+  drawn = data if isinstance(data, list) else data.draw(st.lists(st.booleans(), min_size=num_slots,
+                                                                 max_size=num_slots))
+  valid = np.asarray(drawn, bool)
   if num_slots and not valid.any() and num_sources == 0:
     valid[0] = True
   rng = np.random.default_rng(seed)
@@ -183,3 +188,40 @@ def test_mix_keeps_no_float32_copy_of_a_source():
 
   assert big_float32_residuals(lambda w, s: attnres_mix(w, s, None, None, 1e-6)) == []
   assert big_float32_residuals(lambda w, s: _mix_autodiff(w, s, None, None))
+
+
+def test_mix_bfloat16_gradients_match_autodiff():
+  """bf16 sources (a bf16 model's case): the same bf16 inputs through attnres_mix and through autodiff
+  of the float32 formula agree to bf16 rounding, with the source gradients in bf16."""
+  from moejax.layers.attnres import attnres_mix
+
+  rng = np.random.default_rng(11)
+  B, T, D = 2, 5, 32
+  bf = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+  sources, stacked = (bf(B, T, D), bf(B, T, D)), bf(3, B, T, D)
+  valid_N = jnp.asarray([True, False, True])
+  w = jnp.asarray(rng.normal(size=(D,)), jnp.float32)
+  dh = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
+
+  def grads(f):
+    _, vjp = jax.vjp(lambda w, s, st_: f(w, s, st_, valid_N), w, sources, stacked)
+    return vjp(dh)
+
+  got = grads(lambda *a: attnres_mix(*a, 1e-6))
+  want = grads(_mix_autodiff)
+  assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(got[1:]))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b) + 1e-6
+
+
+def test_mix_rejects_mismatched_shapes():
+  from moejax.layers.attnres import attnres_mix
+
+  w = jnp.ones((8,))
+  with pytest.raises(ValueError, match="share one"):
+    attnres_mix(w, (jnp.ones((1, 2, 8)), jnp.ones((1, 3, 8))), None, None, 1e-6)
+  with pytest.raises(ValueError, match="stacked slots"):
+    attnres_mix(w, (jnp.ones((1, 2, 8)),), jnp.ones((2, 1, 2, 4)), jnp.ones((2,), bool), 1e-6)
+  with pytest.raises(ValueError, match="query must be"):
+    attnres_mix(jnp.ones((4,)), (jnp.ones((1, 2, 8)),), None, None, 1e-6)

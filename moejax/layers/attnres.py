@@ -52,7 +52,21 @@ def _scores(w_D, v, eps):
   return r, jnp.einsum("...d,d->...", v32, w_D.astype(jnp.float32), precision="highest")
 
 
+def _check_shapes(w_D, sources, stacked, valid_N):
+  """The parts are told apart by rank below (4: the stacked slots), so the ranks must be exact."""
+  shape = sources[0].shape if sources else None if stacked is None else stacked.shape[1:]
+  if shape is None or len(shape) != 3 or any(v.shape != shape for v in sources):
+    raise ValueError(f"AttnRes sources must share one [B,T,D] shape, got {[v.shape for v in sources]}")
+  if stacked is not None and (stacked.shape[1:] != shape or valid_N is None
+                              or valid_N.shape != stacked.shape[:1]):
+    raise ValueError(f"AttnRes stacked slots must be [N,B,T,D] over [B,T,D]={shape} with a [N] mask, got "
+                     f"{stacked.shape} and {None if valid_N is None else valid_N.shape}")
+  if w_D.shape != shape[-1:]:
+    raise ValueError(f"AttnRes query must be [{shape[-1]}], got {w_D.shape}")
+
+
 def _mix_forward(w_D, sources, stacked, valid_N, eps):
+  _check_shapes(w_D, sources, stacked, valid_N)
   parts = ([] if stacked is None else [stacked]) + list(sources)
   r_vw = [_scores(w_D, v, eps) for v in parts]
   logits = [vw * r if v.ndim == 4 else (vw * r)[None] for v, (r, vw) in zip(parts, r_vw, strict=True)]
