@@ -5,9 +5,11 @@
 
 x may carry extra channel axes ([B,T,H,K] with w [W,H,K]). "pallas" runs kernel.py's Triton-lowered
 kernels on a GPU, "interpret" the same kernels in Pallas interpret mode (how CI tests them), "xla" the
-reference with autodiff; None picks "pallas" on GPU and "xla" elsewhere. On the H200 step XLA's
-fusions of the reference's forward and backward passes took about 25 ms of the KDA layers' 37 ms of
-projection and convolution work (BENCHMARKS.md, "Training step profile").
+reference's forward with a hand-written backward pass (reference.short_conv_vjp; tests hold it to
+autodiff of the reference); None picks "pallas" on GPU and "xla" elsewhere. On the H200 step XLA's
+fusions of the reference's forward pass and autodiff's backward took about 25 ms of the KDA layers'
+37 ms of projection and convolution work (BENCHMARKS.md, "Training step profile"); the hand-written
+backward pass, which asks for less memory (CPU plan at T=1M: 22 against 30 GiB), is not yet timed there.
 """
 
 import dataclasses
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.kda.pallas_backend import Tuning
 from pallas_kernels.short_conv import kernel
-from pallas_kernels.short_conv.reference import check_channels, short_conv
+from pallas_kernels.short_conv.reference import check_channels, short_conv, short_conv_vjp
 
 IMPLEMENTATIONS = ("pallas", "interpret", "xla")
 
@@ -54,7 +56,7 @@ def conv_silu(x_BTC, w_WC, doc_BT=None, *, implementation: str | None = None, ou
                      f"{doc_BT.dtype}{tuple(doc_BT.shape)}")
   out_dtype = jnp.dtype(x_BTC.dtype if out_dtype is None else out_dtype)
   if implementation == "xla":
-    return jax.nn.silu(short_conv(x_BTC, w_WC, doc_BT).astype(jnp.float32)).astype(out_dtype)
+    return _conv_silu_xla(x_BTC, w_WC, doc_BT, out_dtype)
   if implementation == "pallas" and jax.default_backend() != "gpu":
     raise ValueError(f"conv_silu implementation='pallas' needs a GPU (backend is "
                      f"{jax.default_backend()!r}); use 'interpret' to run the kernels on the CPU")
@@ -108,3 +110,26 @@ def _conv_silu_bwd(st, res, dy):
 
 
 _conv_silu.defvjp(_conv_silu_fwd, _conv_silu_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _conv_silu_xla(x, w, doc, out_dtype):
+  return jax.nn.silu(short_conv(x, w, doc).astype(jnp.float32)).astype(out_dtype)
+
+
+def _conv_silu_xla_fwd(x, w, doc, out_dtype):
+  return _conv_silu_xla(x, w, doc, out_dtype), (x, w, doc)
+
+
+def _conv_silu_xla_bwd(out_dtype, res, dy):
+  x, w, doc = res
+  # The convolution is recomputed (one fused pass) rather than kept, rounded to x's dtype as in the
+  # forward pass; its cotangent goes on in x's dtype, as autodiff's would through that rounding.
+  z = short_conv(x, w, doc).astype(jnp.float32)
+  s = jax.nn.sigmoid(z)
+  dz = (dy.astype(jnp.float32) * s * (1.0 + z * (1.0 - s))).astype(x.dtype)
+  dx, dw = short_conv_vjp(dz, x, w, doc)
+  return dx, dw, None
+
+
+_conv_silu_xla.defvjp(_conv_silu_xla_fwd, _conv_silu_xla_bwd)
