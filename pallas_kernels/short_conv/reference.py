@@ -61,8 +61,9 @@ def short_conv_vjp(dy_BTC, x_BTC, w_WC, doc_BT=None):
 
   The transpose of each tap is the same tap looking forward: dx_s = sum_lag w[W-1-lag] dy_{s+lag} and
   dw[W-1-lag] = sum_t dy_t x_{t-lag}, both only where t - lag is in t's document. Written as one sum
-  over taps (one fused pass for dx) instead of autodiff's transpose of each tap, whose per-tap
-  cotangents and masks XLA kept as separate full-size buffers (at T=1M, [1M, 1024] each).
+  over taps (one fused pass for dx) instead of autodiff's transpose of each tap: compiled on the CPU
+  for one bf16 [1, 1M, 8, 128] input, forward and backward asked for 22.0 GiB of temporaries against
+  autodiff's 30.0.
   """
   W = w_WC.shape[0]
   T = x_BTC.shape[1]
