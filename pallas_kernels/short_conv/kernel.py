@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.pallas_backend import Tuning, launch
+from pallas_kernels.short_conv.reference import silu_grad
 
 _F32 = jnp.float32
 
@@ -67,8 +68,7 @@ def backward(x, w, doc, dy, *, rows: int, block_t: int, block_c: int, interpret:
     dx = jnp.zeros((block_t, block_c), _F32)
     for m in range(W):  # z at the rows t + m that row t feeds with tap w[W-1-m]
       z, taps, doc_m = _tap_sum(x_ref, w_ref, doc_ref, b, t0 + m + W - 1, block_t, cols, W, x_ref.dtype)
-      s = jax.nn.sigmoid(z)
-      dz = dy_ref[b, pl.ds(t0 + m, block_t), cols].astype(_F32) * s * (1.0 + z * (1.0 - s))
+      dz = dy_ref[b, pl.ds(t0 + m, block_t), cols].astype(_F32) * silu_grad(z)
       tap_w = w_ref[W - 1 - m, cols].astype(_F32)[None, :]
       dx = dx + jnp.where((doc_self == doc_m)[:, None], dz, 0.0) * tap_w
       if m == 0:

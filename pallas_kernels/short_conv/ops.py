@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.kda.pallas_backend import Tuning
 from pallas_kernels.short_conv import kernel
-from pallas_kernels.short_conv.reference import check_channels, short_conv, short_conv_vjp
+from pallas_kernels.short_conv.reference import check_channels, short_conv, short_conv_vjp, silu_grad
 
 IMPLEMENTATIONS = ("pallas", "interpret", "xla")
 
@@ -126,8 +126,7 @@ def _conv_silu_xla_bwd(out_dtype, res, dy):
   # The convolution is recomputed (one fused pass) rather than kept, rounded to x's dtype as in the
   # forward pass; its cotangent goes on in x's dtype, as autodiff's would through that rounding.
   z = short_conv(x, w, doc).astype(jnp.float32)
-  s = jax.nn.sigmoid(z)
-  dz = (dy.astype(jnp.float32) * s * (1.0 + z * (1.0 - s))).astype(x.dtype)
+  dz = (dy.astype(jnp.float32) * silu_grad(z)).astype(x.dtype)
   dx, dw = short_conv_vjp(dz, x, w, doc)
   return dx, dw, None
 

@@ -1,6 +1,7 @@
 """Reference causal depthwise short convolution within documents (DESIGN §2), in XLA: the
 implementation the Pallas kernels (kernel.py) must match, and the one that runs off the GPU."""
 
+import jax
 import jax.numpy as jnp
 
 
@@ -24,6 +25,12 @@ def _same_document(doc_BT, lag: int, ndim: int):
   """[B,T,1...] mask: position t - lag exists and is in t's document."""
   same_BT = _shift_right(doc_BT, lag, -1) == doc_BT
   return same_BT.reshape(*same_BT.shape, *(1,) * (ndim - 2))
+
+
+def silu_grad(z32):
+  """d silu(z) / dz = s (1 + z (1 - s)) with s = sigmoid(z), float32."""
+  s = jax.nn.sigmoid(z32)
+  return s * (1.0 + z32 * (1.0 - s))
 
 
 def check_channels(x_BTC, w_WC, op: str):
