@@ -65,9 +65,14 @@ def _check_shapes(w_D, sources, stacked, valid_N):
     raise ValueError(f"AttnRes query must be [{shape[-1]}], got {w_D.shape}")
 
 
+def _parts(sources, stacked):
+  """The stacked slots (one [N,B,T,D] part) first, then each [B,T,D] source: the softmax's order."""
+  return ([] if stacked is None else [stacked]) + list(sources)
+
+
 def _mix_forward(w_D, sources, stacked, valid_N, eps):
   _check_shapes(w_D, sources, stacked, valid_N)
-  parts = ([] if stacked is None else [stacked]) + list(sources)
+  parts = _parts(sources, stacked)
   r_vw = [_scores(w_D, v, eps) for v in parts]
   logits = [vw * r if v.ndim == 4 else (vw * r)[None] for v, (r, vw) in zip(parts, r_vw, strict=True)]
   if stacked is not None:
@@ -108,7 +113,7 @@ def attnres_mix(w_D, sources: tuple, stacked, valid_N, eps: float):
 
 def _mix_backward(eps, res, dh_BTD):
   w_D, sources, stacked, valid_N, a_SBT, r_vw = res
-  parts = ([] if stacked is None else [stacked]) + list(sources)
+  parts = _parts(sources, stacked)
   dh = dh_BTD.astype(jnp.float32)
   w32 = w_D.astype(jnp.float32)
   d = w_D.shape[0]
