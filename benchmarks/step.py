@@ -71,7 +71,8 @@ PROFILE_SECTION = "Training step profile"
 PROFILED_STEPS = 2
 XLA_FLAGS = "--xla_gpu_enable_triton_gemm=false"  # why: main()
 LONG_SEQ = 1 << 20
-LONG_CHUNK = 1 << 17  # tokens per pass of the routed experts at T=1M
+LONG_CHUNK = 1 << 17  # tokens per pass of the routed experts and the dense FFNs at T=1M
+LONG_KDA_PIECE = 1 << 19  # tokens per pass of a KDA layer at T=1M (experiments/1m.py says why)
 _START = time.perf_counter()
 
 
@@ -316,13 +317,17 @@ def component_times(config, batch, state, optimizer) -> list[tuple[str, int, flo
 
 
 def long_config(config, seq_len: int):
-  """The settings of the long step: one row of seq_len tokens, remat full, routed experts in chunks."""
+  """The settings of the long step: one row of seq_len tokens, remat full, and the layers in pieces
+  (experiments/1m.py's: routed experts and dense FFNs over 128K tokens at a time, KDA layers over
+  512K), each piece size kept where the config or --set chose one."""
   config.model.remat = "full"
-  # As experiments/1m.py: the routed experts over 128K tokens at a time, unless the config chose.
-  # The dense FFNs and KDA layers run whole unless --set asks for pieces (see experiments/1m.py).
   m = config.model
   m.moe.token_chunk = m.moe.token_chunk or min(seq_len, LONG_CHUNK)
-  # QK-clip's max-logit pass is a blockwise O(T^2) loop outside the fused kernel: off here, and said so.
+  m.ffn.token_chunk = m.ffn.token_chunk or min(seq_len, LONG_CHUNK)
+  m.kda.seq_chunk = m.kda.seq_chunk or min(seq_len, LONG_KDA_PIECE)
+  # QK-clip off, and said so: where the attention is not the Pallas kernel, its max-logit statistic is a
+  # blockwise O(T^2) pass of its own. (experiments/1m.py keeps it on; with the Pallas kernel the
+  # statistic comes from the attention's forward pass, but no 1M step with it on has been timed.)
   config.optim.qk_clip_tau = 0.0
   config.train.stages = ((seq_len, 3, seq_len),)
   return validate(config)

@@ -19,16 +19,17 @@ from moejax.config import load_experiment
 def get_config():
   c = load_experiment(pathlib.Path(__file__).with_name("h200.py"))
   c.model.remat = "full"
-  # 64, not the default 32: at T=1M the KDA op alone (B=1, H=16, forward + backward) asked the H200
-  # for 61.25 GiB of temporaries at 32 against 46.13 GiB at 64 (2026-12-03), and this step is bounded by
-  # memory. Their times at 1M were not compared.
-  c.model.kda.chunk_size = 64
-  # 8M routed rows at 1M tokens (top 8): run the experts over 128K tokens at a time, so one chunk's
-  # rows and activations are live, not the whole row's.
+  # Each layer over its row in pieces, each piece rematerialised, so that one piece's activations are
+  # live in the backward pass instead of the row's. With these pieces (and the KDA chunk of h200.py),
+  # one 1M-token step ran on one H200 in 17.4 s at 125.0 GiB peak (XLA's temporaries 114.7 GiB), where
+  # with the KDA layers whole and the routed experts' pieces in a lax.map XLA asked for 176.5 GiB
+  # (2026-12-04; BENCHMARKS.md, "Training step at 1M tokens").
+  # KDA in 512K pieces, not smaller: the pieces are unrolled in the compiled program, and at 128K the
+  # step had not finished compiling after 480 s, where at 512K it compiled in 263 s.
+  c.model.kda.seq_chunk = 524_288
+  # 8M routed rows at 1M tokens (top 8): the routed experts over 128K tokens at a time; the dense FFN too.
   c.model.moe.token_chunk = 131_072
-  # model.ffn.token_chunk and model.kda.seq_chunk stay off. Compiled on the CPU they cut one layer's
-  # buffers at 1M (dense FFN 108 -> 15 GiB, KDA 173 -> 27 GiB), but on the H200 (2026-12-03) the 1M step
-  # asked for 243.3 GiB with both at 128K, against 197.3 GiB without; why is not yet known. Neither fits.
+  c.model.ffn.token_chunk = 131_072
   t = c.train
   t.stages = (
       (8_192, 2_000, 524_288),

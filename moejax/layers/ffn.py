@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moejax.nn import Dense, dense_apply
+from moejax.nn import Dense, dense_apply, remat_pieces
 
 
 def _situ(g32, u32, b1: float, b2: float):
@@ -80,11 +80,10 @@ class SiTUGLU(nn.Module):
     # The same params the unchunked path creates (gate/up/down "kernel"), used directly.
     w = {name: nn.meta.unbox(self.variables["params"][name]["kernel"]) for name in ("gate", "up", "down")}
 
-    @jax.checkpoint
     def one(x_CD):
       h_CF = situ_glu(dense_apply(w["gate"], x_CD, self.dtype), dense_apply(w["up"], x_CD, self.dtype),
                       self.b1, self.b2)
       return dense_apply(w["down"], h_CF, self.dtype)
 
-    y_NCD = jax.lax.map(one, x_BTD.reshape(tokens // chunk, chunk, x_BTD.shape[-1]))
-    return y_NCD.reshape(x_BTD.shape[:-1] + y_NCD.shape[-1:])
+    y_MD = jnp.concatenate(remat_pieces(one, tokens // chunk, x_BTD.reshape(tokens, x_BTD.shape[-1])))
+    return y_MD.reshape(x_BTD.shape[:-1] + y_MD.shape[-1:])

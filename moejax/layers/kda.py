@@ -137,21 +137,21 @@ class KDA(nn.Module):
     n = T // piece
     if doc_BT is None:
       doc_BT = jnp.zeros((B, T), jnp.int32)
-    split = lambda a: jnp.moveaxis(a.reshape(B, n, piece, *a.shape[2:]), 1, 0)
-    merge = lambda a: jnp.moveaxis(a, 0, 1).reshape(B, T, *a.shape[3:])
+    piece_of = lambda a, i: jax.lax.slice_in_dim(a, i * piece, (i + 1) * piece, axis=1)
 
     @jax.checkpoint
     def one(carry, x_BCD, doc_BC):
       y_BCD, g_BCHK, carry = kda_mixer(p, c, x_BCD, doc_BC, carry)
       return y_BCD, (g_BCHK if want_g else None), carry
 
-    def body(carry, xs):
-      y, g, carry = one(carry, *xs)
-      return carry, (y, g)
-
+    # A Python loop, not lax.scan: see moejax.nn.remat_pieces for what a scan's buffers cost on the GPU.
     carry = KDACarry.empty(B, kc.num_heads, kc.head_k_dim, kc.head_v_dim, kc.conv_size, x_BTD.dtype)
-    _, (y_NBCD, g_NBCHK) = jax.lax.scan(body, carry, (split(x_BTD), split(doc_BT)))
-    return merge(y_NBCD), (merge(g_NBCHK) if want_g else None)
+    ys, gs = [], []
+    for i in range(n):
+      y_BCD, g_BCHK, carry = one(carry, piece_of(x_BTD, i), piece_of(doc_BT, i))
+      ys.append(y_BCD)
+      gs.append(g_BCHK)
+    return jnp.concatenate(ys, axis=1), (jnp.concatenate(gs, axis=1) if want_g else None)
 
 
 def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):

@@ -35,7 +35,7 @@ from moejax.balance import quantile_bias
 from moejax.layers.dispatch import dropless_moe
 from moejax.layers.ffn import SiTUGLU
 from moejax.layers.router import expert_load, router_scores, select_experts, sequence_aux_loss_terms
-from moejax.nn import default_kernel_init, logical_param, matmul, rms_norm
+from moejax.nn import default_kernel_init, logical_param, matmul, remat_pieces, rms_norm
 from moejax.parallel import mesh as meshlib
 from moejax.parallel.expert import default_exchange, expert_parallel
 
@@ -99,10 +99,8 @@ def by_token_chunks(fn, chunk: int, h_ML, idx_MK, p_MK):
     return fn(h_ML, idx_MK, p_MK)
   if m % chunk:
     raise ValueError(f"moe.token_chunk={chunk} does not divide the {m} tokens of this shard")
-  split = lambda x: x.reshape(m // chunk, chunk, *x.shape[1:])
-  y_NCL, dropped_N = jax.lax.map(jax.checkpoint(lambda args: fn(*args)),
-                                 (split(h_ML), split(idx_MK), split(p_MK)))
-  return y_NCL.reshape(m, -1), jnp.sum(dropped_N)
+  outs = remat_pieces(fn, m // chunk, h_ML, idx_MK, p_MK)
+  return jnp.concatenate([y for y, _ in outs]), sum(d for _, d in outs)
 
 
 class MoE(nn.Module):
