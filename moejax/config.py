@@ -10,6 +10,8 @@ import pathlib
 
 import ml_collections
 
+from pallas_kernels.kda import limits as kda_limits
+
 MIXERS = ("kda", "mla")
 BALANCE_MODES = ("quantile", "sign", "aux", "none")
 GROUPED_MATMULS = ("auto", "xla", "pallas", "interpret")
@@ -215,12 +217,10 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   need(k.implementation in KDA_IMPLEMENTATIONS,
        f"model.kda.implementation={k.implementation!r} not in {KDA_IMPLEMENTATIONS}")
   if k.implementation in (None, "pallas", "interpret"):  # None: the Pallas kernel on GPU
-    need(k.chunk_size in (16, 32, 64, 128),
-         f"model.kda.chunk_size={k.chunk_size}: the Pallas KDA kernel (implementation "
-         f"{k.implementation!r}) needs 16, 32, 64 or 128; set model.kda.implementation='xla' for others")
-    need(k.chunk_size < 128 or max(k.head_k_dim, k.head_v_dim) <= 128,
-         f"model.kda.chunk_size=128 with head dims {k.head_k_dim}/{k.head_v_dim}: the Pallas KDA kernel "
-         "supports chunk 128 only with head dims up to 128 (shared memory); use 64")
+    why = kda_limits.unsupported(k.chunk_size, k.head_k_dim, k.head_v_dim)
+    need(why is None, f"model.kda (chunk_size={k.chunk_size}, head dims {k.head_k_dim}/{k.head_v_dim}, "
+                      f"implementation {k.implementation!r}): {why}; set model.kda.implementation='xla' for "
+                      "other shapes")
   need(k.conv_implementation in CONV_IMPLEMENTATIONS,
        f"model.kda.conv_implementation={k.conv_implementation!r} not in {CONV_IMPLEMENTATIONS}")
   need(k.conv_size >= 1, "model.kda.conv_size must be >= 1")

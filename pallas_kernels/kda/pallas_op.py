@@ -13,12 +13,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kda import limits
 from pallas_kernels.kda import pallas_tiles as tiles
 from pallas_kernels.kda.pallas_backend import Tuning
 from pallas_kernels.kda.pallas_prep import prep_backward, prep_forward, state_grads
 from pallas_kernels.kda.pallas_scan import scan_backward, scan_forward
-
-MAX_WIDTH = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,10 +135,6 @@ _kda.defvjp(_kda_fwd, _kda_bwd)
 _kda_jit = jax.jit(_kda, static_argnums=0)
 
 
-def _width(n: int) -> int:
-  return max(16, 1 << (n - 1).bit_length())
-
-
 def _static_scale(scale):
   """The scale as a Python float when it is concrete, else None (then it is folded into q)."""
   try:
@@ -162,15 +157,9 @@ def chunk_kda_pallas(q, k, v, g, beta, scale, initial_state, reset_BT, *, chunk_
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
-  if C & (C - 1) or not 16 <= C <= 128:
-    raise ValueError(f"the Pallas KDA kernel needs chunk_size in (16, 32, 64, 128), got {C}")
+  if (why := limits.unsupported(C, K, V)) is not None:
+    raise ValueError(why)
   cfg = (Config() if config is None else config).for_chunk(C)
-  if K > MAX_WIDTH or V > MAX_WIDTH:
-    raise ValueError(f"the Pallas KDA kernel supports K and V up to {MAX_WIDTH}, got K={K} V={V}")
-  if C == 128 and max(_width(K), _width(V)) > 128:
-    # Measured on the H200: even unpipelined, the kernels asked for 264 KiB of shared memory (227 KiB).
-    raise ValueError(f"the Pallas KDA kernel at chunk_size 128 supports K and V up to 128 (wider tiles "
-                     f"overflow the GPU's shared memory), got K={K} V={V}; use chunk_size 64 or less")
   f32_mode = any(jnp.dtype(x.dtype).itemsize >= 4 for x in (q, k, v))
   store_dtype = jnp.dtype(jnp.float32 if f32_mode else jnp.bfloat16)
   s = _static_scale(scale)
@@ -180,7 +169,7 @@ def chunk_kda_pallas(q, k, v, g, beta, scale, initial_state, reset_BT, *, chunk_
                out_dtype=jnp.dtype(v.dtype), interpret=bool(interpret), cfg=cfg)
 
   N = -(-T // C)
-  Kp, Vp = _width(K), _width(V)
+  Kp, Vp = limits.padded_width(K), limits.padded_width(V)
   pad = lambda x, width: jnp.pad(x, [(0, 0), (0, N * C - T), (0, 0), (0, width - x.shape[-1])])
   qp, kp, gp = (pad(x.astype(store_dtype) if x is not g else x, Kp) for x in (q, k, g))
   vp = pad(v.astype(store_dtype), Vp)
