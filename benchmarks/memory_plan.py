@@ -6,11 +6,12 @@ a step that fails for memory would have asked for, and which buffers make up its
   python benchmarks/memory_plan.py --seq-len 4096 --batch 2 --set model.remat=dots --dump /tmp/plan
 
 Compiling needs no device memory: state and batch are abstract (`jax.eval_shape`). `--long` applies
-the settings of step.py's 1M-token step (remat full, routed experts in 128K-token chunks, QK-clip
-off). `--as-gpu` puts the Pallas kernels in interpret mode, so that a CPU plan holds the GPU kernels'
+the settings of step.py's 1M-token step (remat full, routed experts and dense FFNs in 128K-token
+pieces, KDA layers in 512K, QK-clip off). `--as-gpu` puts the Pallas kernels in interpret mode, so that a CPU plan holds the GPU kernels'
 own buffers rather than those of the XLA reference paths. `--dump DIR` asks XLA for its buffer
 assignment and prints the buffers live at the peak, largest first, each with the model part and the
-name stack of the op that made it (benchmarks/trace_parts.py).
+name stack of the op that made it (benchmarks/trace_parts.py), or, where that op has no name, the
+result type of the instruction that made it (e.g. `30 x f32[8,131072,512]` for one multi-output fusion).
 """
 
 import argparse
@@ -28,6 +29,9 @@ GIB = 2**30
 PARTS = ("step", "kda", "mla", "moe", "ffn")
 _PEAK_SECTION = re.compile(r"Live ranges at \d+ \(peak\):\n((?:\s+\S+: \d+ bytes.*\n)+)")
 _PEAK_BUFFER = re.compile(r"^\s+([\w.\-]+)\{[^}]*\}: (\d+) bytes", re.M)
+_RESULT = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\([^\n]*|[a-z]\w*\[[^\]]*\]\S*)", re.M)
+_LAYOUT = re.compile(r"\{[^}]*\}")
+_COMMENT = re.compile(r"/\*.*?\*/")
 
 
 def plan_config(args):
@@ -93,8 +97,33 @@ def peak_buffers(dump_dir: str, module_pattern: str) -> list[tuple[str, int]]:
   return sorted(((n, int(b)) for n, b in _PEAK_BUFFER.findall(m.group(1))), key=lambda nb: -nb[1])
 
 
-def peak_table(buffers, names: dict[str, str], top: int) -> list[str]:
-  """Markdown: the peak's bytes by model part, then its largest buffers."""
+def _tuple_items(tuple_type: str) -> list[str]:
+  """The top-level items of a parenthesised HLO tuple type, nested brackets and braces kept whole."""
+  depth, items, start = 0, [], 1
+  for i, ch in enumerate(tuple_type):
+    depth += 1 if ch in "([{" else -1 if ch in ")]}" else 0
+    if depth == 0 or (depth == 1 and ch == ","):
+      items.append(tuple_type[start:i].strip())
+      start = i + 1
+    if depth == 0:
+      break
+  return items
+
+
+def result_types(hlo_text: str) -> dict[str, str]:
+  """{HLO instruction: its result type without layouts, "N x TYPE" for a tuple of N}: what a buffer
+  holds when its op carries no name (XLA's multi-output fusions often have none)."""
+  out = {}
+  for name, result in _RESULT.findall(_COMMENT.sub("", hlo_text)):
+    items = _tuple_items(result) if result.startswith("(") else [result.split(" ")[0]]
+    first = _LAYOUT.sub("", items[0]) if items else "()"
+    out[name] = f"{len(items)} x {first}" if len(items) > 1 else first
+  return out
+
+
+def peak_table(buffers, names: dict[str, str], top: int, types: dict[str, str] | None = None) -> list[str]:
+  """Markdown: the peak's bytes by model part, then its largest buffers (for one without an op name,
+  the result type of the instruction that made it, from `types`)."""
   from benchmarks.trace_parts import model_part
 
   by_part = collections.Counter()
@@ -107,7 +136,7 @@ def peak_table(buffers, names: dict[str, str], top: int) -> list[str]:
   lines += [f"| {p} | {b / GIB:.2f} | {b / total:.1%} |" for p, b in by_part.most_common()]
   lines += ["", f"The {top} largest:", "", "| buffer | GiB | name stack |", "|---|---|---|"]
   for name, size in buffers[:top]:
-    stack = names.get(name, "")
+    stack = names.get(name) or f"(no op name; makes {(types or {}).get(name, '?')})"
     stack = stack if len(stack) <= 120 else "..." + stack[-117:]
     lines.append(f"| `{name}` | {size / GIB:.2f} | `{stack}` |")
   return lines
@@ -164,8 +193,9 @@ def main():
       if not buffers:
         print(f"  no live-range dump with a peak section under {args.dump}", flush=True)
         continue
-      print("\n".join("  " + line for line in peak_table(buffers, op_names(compiled.as_text()), args.top)),
-            flush=True)
+      text = compiled.as_text()
+      table = peak_table(buffers, op_names(text), args.top, result_types(text))
+      print("\n".join("  " + line for line in table), flush=True)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,21 @@ def test_peak_buffers_parse_the_live_range_dump(tmp_path):
   assert memory_plan.peak_buffers(str(tmp_path), "loss") == []
 
 
+def test_peak_table_names_what_an_unnamed_fusion_makes():
+  """A buffer whose op has no name is shown by the result type of the instruction that made it (the
+  1M step's zero-filled scan buffers were found that way)."""
+  hlo = ("ENTRY %main {\n"
+         "  %loop_broadcast_fusion.5 = (f32[8,16]{1,0}, f32[8,16]{1,0}, /*index=2*/f32[8,16]{1,0}) fusion(), "
+         "kind=kLoop, calls=%fused_broadcast.5\n"
+         "  ROOT %add.1 = bf16[4,2]{1,0} add(%p, %q), metadata={op_name=\"jit(f)/layer_0/add\"}\n}\n")
+  types = memory_plan.result_types(hlo)
+  assert types["loop_broadcast_fusion.5"] == "3 x f32[8,16]" and types["add.1"] == "bf16[4,2]"
+  lines = memory_plan.peak_table([("loop_broadcast_fusion.5", 3 * 512), ("add.1", 16)],
+                                 trace_parts.op_names(hlo), 5, types)
+  assert any("(no op name; makes 3 x f32[8,16])" in line for line in lines)
+  assert any("jit(f)/layer_0/add" in line for line in lines)
+
+
 def test_no_benchmark_script_shadows_the_standard_library():
   """`python benchmarks/x.py` puts benchmarks/ first on sys.path, so a benchmarks/profile.py hid the
   standard library's profile module from cProfile, and torch (fla's child process) failed to import."""
