@@ -8,10 +8,11 @@ a step that fails for memory would have asked for, and which buffers make up its
 Compiling needs no device memory: state and batch are abstract (`jax.eval_shape`). `--long` applies
 the settings of step.py's 1M-token step (remat full, routed experts and dense FFNs in 128K-token
 pieces, KDA layers in 512K, QK-clip off). `--as-gpu` puts the Pallas kernels in interpret mode, so
-that a CPU plan holds the GPU kernels' own buffers rather than those of the XLA reference paths. `--dump DIR` asks XLA for its buffer
-assignment and prints the buffers live at the peak, largest first, each with the model part and the
-name stack of the op that made it (benchmarks/trace_parts.py), or, where that op has no name, the
-result type of the instruction that made it (e.g. `30 x f32[8,131072,512]` for one multi-output fusion).
+that a CPU plan holds the GPU kernels' own buffers rather than those of the XLA reference paths.
+`--dump DIR` asks XLA for its buffer assignment and prints the buffers live at the peak, largest
+first, each with the model part and the name stack of the op that made it
+(benchmarks/trace_parts.py), or, where that op has no name, the result type of the instruction that
+made it (e.g. `30 x f32[8,131072,512]` for one multi-output fusion).
 """
 
 import argparse
