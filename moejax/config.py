@@ -10,8 +10,6 @@ import pathlib
 
 import ml_collections
 
-from pallas_kernels.kda import limits as kda_limits
-
 MIXERS = ("kda", "mla")
 BALANCE_MODES = ("quantile", "sign", "aux", "none")
 GROUPED_MATMULS = ("auto", "xla", "pallas", "interpret")
@@ -217,6 +215,10 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   need(k.implementation in KDA_IMPLEMENTATIONS,
        f"model.kda.implementation={k.implementation!r} not in {KDA_IMPLEMENTATIONS}")
   if k.implementation in (None, "pallas", "interpret"):  # None: the Pallas kernel on GPU
+    # Imported here: the package pulls in JAX and the kernels, which importing moejax.config (as the
+    # data pipeline does) should not.
+    from pallas_kernels.kda import limits as kda_limits
+
     why = kda_limits.unsupported(k.chunk_size, k.head_k_dim, k.head_v_dim)
     need(why is None, f"model.kda (chunk_size={k.chunk_size}, head dims {k.head_k_dim}/{k.head_v_dim}, "
                       f"implementation {k.implementation!r}): {why}; set model.kda.implementation='xla' for "

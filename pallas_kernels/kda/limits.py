@@ -1,7 +1,5 @@
-"""What the Pallas KDA kernels take: chunk sizes and head widths.
-
-Free of JAX, so that config validation (moejax.config) applies the op's own rule without importing the
-kernels.
+"""What the Pallas KDA kernels take: chunk sizes and head widths, the one rule that both the op and
+config validation (moejax.config) apply.
 """
 
 CHUNK_SIZES = (16, 32, 64, 128)
