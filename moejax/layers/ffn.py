@@ -40,11 +40,7 @@ def _situ_glu_fwd(gate, up, b1, b2):
 
 
 def _situ_glu_bwd(b1, b2, res, dh):
-  # Behind the barrier the recomputation is not the forward pass's expression any more: XLA:GPU had
-  # merged the two (CSE) and kept the forward's float32 tanh(gate/b1) and tanh(up/b2) for this pass,
-  # 1.5 GiB per MoE layer of the H200 step, written forward and read back here (0.7 ms each way per
-  # layer, where the bf16 gate and up alone need about half).
-  gate, up = jax.lax.optimization_barrier(res)
+  gate, up = res
   dg, du = _situ_grads(gate.astype(jnp.float32), up.astype(jnp.float32), dh.astype(jnp.float32), b1, b2)
   return dg.astype(gate.dtype), du.astype(up.dtype)
 
