@@ -6,6 +6,7 @@ component, and one step at T=1M with rematerialisation.
   python benchmarks/step.py --mesh data=2,expert=4 --only step         # 8 devices, expert-parallel
   python benchmarks/step.py --config experiments/h200.py --only components --step-ms 664.9
   python benchmarks/step.py --config experiments/h200.py --only profile  # time per part, from a trace
+      (and, in --profile's folder, ops.tsv: every op's time; fusions.txt: the HLO of the costly fusions)
   python benchmarks/step.py --smoke                                    # tiny shapes, any machine
 
 The step runs on a data x expert mesh (default: `expert` over every device, so one GPU is a mesh
@@ -68,6 +69,8 @@ SECTION = "Training step"
 LONG_SECTION = "Training step at 1M tokens"
 COMPONENTS_SECTION = "Training step components"
 PROFILE_SECTION = "Training step profile"
+# Fused kernels at least this long per step get their HLO written next to the profile's op list.
+FUSION_MIN_MS = 0.15
 PROFILED_STEPS = 2
 XLA_FLAGS = "--xla_gpu_enable_triton_gemm=false"  # why: main()
 LONG_SEQ = 1 << 20
@@ -244,8 +247,13 @@ def _time_steps(step, state, batch, steps, optimizer, warmup: int, profile_dir: 
     events, state = trace_parts.trace_steps(step, state, batch, PROFILED_STEPS, profile_dir)
     names = trace_parts.op_names(step.as_text())
     profile = trace_parts.table(events, names, PROFILED_STEPS, seconds * 1e3)
-    trace_parts.write_ops(os.path.join(profile_dir, "ops.tsv"), events, names, PROFILED_STEPS)
-    log(f"every op's time: {os.path.join(profile_dir, 'ops.tsv')}")
+    ops_path, fusions_path = (os.path.join(profile_dir, f) for f in ("ops.tsv", "fusions.txt"))
+    trace_parts.write_ops(ops_path, events, names, PROFILED_STEPS)
+    with open(fusions_path, "w") as f:
+      f.write("\n".join(trace_parts.fusion_bodies(step.as_text(), trace_parts.read_ops(ops_path),
+                                                 FUSION_MIN_MS)) + "\n")
+    log(f"every op's time: {ops_path}; what XLA fused into those of {FUSION_MIN_MS} ms or more: "
+        f"{fusions_path}")
   return {"step_s": seconds, "compile_s": compile_s, "loss": loss, "params": state.params,
           "dropped": float(metrics.get("moe/dropped", 0.0)), "optimizer": optimizer, "state": state,
           "profile": profile}

@@ -199,6 +199,64 @@ def write_ops(path: str, events, names: dict[str, str], calls: int):
       f.write(f"{op}\t{us / 1e3 / calls:.4f}\t{part}\t{direction}\t{stack}\n")
 
 
+_METADATA = re.compile(r",\s*metadata=\{[^}]*\}|,\s*backend_config=(?:\{.*\}|\"[^\"]*\")(?=,|$)")
+_LIBRARY_CALLS = ("custom-call", "cublas", "pallas_call", "triton", "cudnn")
+
+
+def computations(hlo_text: str) -> dict[str, list[str]]:
+  """{computation name: its lines, the header first} of a module's text."""
+  out, current = {}, None
+  for line in hlo_text.splitlines():
+    if current is None:
+      c = _COMPUTATION.match(line)
+      if c is not None and not line.startswith(" "):
+        current = c.group(1)
+        out[current] = [line]
+    elif line.strip() == "}":
+      current = None
+    else:
+      out[current].append(line)
+  return out
+
+
+def fusion_bodies(hlo_text: str, ops_rows, min_ms: float, max_lines: int = 80) -> list[str]:
+  """What XLA put in each costly fused kernel: for every op of `ops_rows` (write_ops's rows: op, ms,
+  part, direction, name stack) of at least min_ms that is not a library call (cuBLAS, custom calls,
+  Pallas kernels), its instruction and the fused computation it calls, metadata stripped. This is how
+  one sees that a fusion writes float32 copies nobody asked for, or that XLA merged a reduction with
+  unrelated element-wise outputs."""
+  comps = computations(hlo_text)
+  instructions = {}
+  for lines in comps.values():
+    for line in lines[1:]:
+      m = _INSTRUCTION.match(line)
+      if m is not None:
+        instructions.setdefault(m.group(1), line)
+  strip = lambda line: _METADATA.sub("", line).rstrip()
+  out = []
+  for op, ms, part, direction, stack in ops_rows:
+    if float(ms) < min_ms or op.startswith(_LIBRARY_CALLS):
+      continue
+    out += ["", f"== {op}: {float(ms):.3f} ms per call, {part} {direction}".rstrip(), f"   {stack}"]
+    line = instructions.get(op)
+    if line is None:
+      out.append("   (not in this module)")
+      continue
+    out.append(strip(line))
+    called = _CALLS.search(line.split("metadata=")[0])
+    body = comps.get(called.group(1), []) if called else []
+    out += [strip(x) for x in body[:max_lines]]
+    if len(body) > max_lines:
+      out.append(f"   ... {len(body) - max_lines} more lines")
+  return out
+
+
+def read_ops(path: str) -> list[list[str]]:
+  """write_ops's rows back from its file."""
+  with open(path) as f:
+    return [line.rstrip("\n").split("\t") for line in f.readlines()[1:]]
+
+
 def trace_steps(step, state, batch, calls: int, log_dir: str):
   """Runs `state, _ = step(state, batch)` `calls` times under the profiler. Returns the kernel events
   of the step's module (the one that took the most time; the trace also holds small transfers) and

@@ -97,6 +97,33 @@ def test_memory_plan_peak_of_a_moe_layer(tmp_path):
   assert "| MoE / grouped_glu (forward) |" in out or "| MoE / grouped_glu (backward) |" in out
 
 
+def test_fusion_bodies_show_what_a_costly_kernel_computes(tmp_path):
+  """The profile's fusions.txt: for each costly op (not a library call), its instruction and the fused
+  computation it calls, from a real compiled module; cheap ops and custom calls are left out."""
+  import jax
+  import jax.numpy as jnp
+
+  compiled = jax.jit(lambda x: jnp.tanh(x * 3.0).sum(axis=0) + 1.0).lower(jnp.ones((64, 32))).compile()
+  text = compiled.as_text()
+  fusions = [n for n, lines in trace_parts.computations(text).items() if "tanh" in "".join(lines[1:])]
+  callers = [m.group(1) for line in text.splitlines() if (m := trace_parts._INSTRUCTION.match(line))
+             and any(f"calls=%{f}" in line or f"calls={f}" in line for f in fusions)]
+  assert callers, text
+  path = tmp_path / "ops.tsv"
+  rows = [(callers[0], "0.5000", "MoE / router", "forward", "jit(f)/tanh"),
+          ("custom-call.7", "9.0000", "MoE / grouped_glu", "forward", "jit(f)/dot_general"),
+          ("cheap.3", "0.0100", "other", "", "")]
+  header = "op\tms_per_call\tpart\tdirection\tname_stack\n"
+  path.write_text(header + "".join("\t".join(r) + "\n" for r in rows))
+  out = trace_parts.fusion_bodies(text, trace_parts.read_ops(str(path)), min_ms=0.1)
+  joined = "\n".join(out)
+  assert f"== {callers[0]}: 0.500 ms per call, MoE / router forward" in joined
+  assert "tanh(" in joined and "metadata=" not in joined
+  assert "custom-call.7" not in joined and "cheap.3" not in joined
+  missing = trace_parts.fusion_bodies(text, [("gone.1", "1.0", "other", "", "")], min_ms=0.1)
+  assert missing[-1].strip() == "(not in this module)"
+
+
 def test_peak_buffers_parse_the_live_range_dump(tmp_path):
   (tmp_path / "module_0001.jit_train_step.gpu_after_optimizations-live-range.txt").write_text(
       "HloLiveRange (max 5):\n  Live ranges at 4 (peak):\n"
