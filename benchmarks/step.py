@@ -245,12 +245,13 @@ def _time_steps(step, state, batch, steps, optimizer, warmup: int, profile_dir: 
   if profile_dir:
     log(f"tracing {PROFILED_STEPS} steps into {profile_dir}")
     events, state = trace_parts.trace_steps(step, state, batch, PROFILED_STEPS, profile_dir)
-    names = trace_parts.op_names(step.as_text())
+    hlo_text = step.as_text()
+    names = trace_parts.op_names(hlo_text)
     profile = trace_parts.table(events, names, PROFILED_STEPS, seconds * 1e3)
     ops_path, fusions_path = (os.path.join(profile_dir, f) for f in ("ops.tsv", "fusions.txt"))
     trace_parts.write_ops(ops_path, events, names, PROFILED_STEPS)
     with open(fusions_path, "w") as f:
-      f.write("\n".join(trace_parts.fusion_bodies(step.as_text(), trace_parts.read_ops(ops_path),
+      f.write("\n".join(trace_parts.fusion_bodies(hlo_text, trace_parts.read_ops(ops_path),
                                                  FUSION_MIN_MS)) + "\n")
     log(f"every op's time: {ops_path}; what XLA fused into those of {FUSION_MIN_MS} ms or more: "
         f"{fusions_path}")

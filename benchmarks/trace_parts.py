@@ -10,6 +10,8 @@ transpose); the named scopes of moejax's layers and train step give the parts th
 
   events, state = trace_steps(compiled_step, state, batch, calls=2, log_dir="/tmp/trace")
   lines = table(events, op_names(compiled_step.as_text()), calls=2)
+
+`fusion_bodies` then prints, for the costliest fused kernels, the HLO that XLA put in each.
 """
 
 import collections
