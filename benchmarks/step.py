@@ -249,10 +249,9 @@ def _time_steps(step, state, batch, steps, optimizer, warmup: int, profile_dir: 
     names = trace_parts.op_names(hlo_text)
     profile = trace_parts.table(events, names, PROFILED_STEPS, seconds * 1e3)
     ops_path, fusions_path = (os.path.join(profile_dir, f) for f in ("ops.tsv", "fusions.txt"))
-    trace_parts.write_ops(ops_path, events, names, PROFILED_STEPS)
+    rows = trace_parts.write_ops(ops_path, events, names, PROFILED_STEPS)
     with open(fusions_path, "w") as f:
-      f.write("\n".join(trace_parts.fusion_bodies(hlo_text, trace_parts.read_ops(ops_path),
-                                                 FUSION_MIN_MS)) + "\n")
+      f.write("\n".join(trace_parts.fusion_bodies(hlo_text, rows, FUSION_MIN_MS)) + "\n")
     log(f"every op's time: {ops_path}; what XLA fused into those of {FUSION_MIN_MS} ms or more: "
         f"{fusions_path}")
   return {"step_s": seconds, "compile_s": compile_s, "loss": loss, "params": state.params,

@@ -189,16 +189,19 @@ def table(events, names: dict[str, str], calls: int, wall_ms: float | None = Non
   return lines
 
 
-def write_ops(path: str, events, names: dict[str, str], calls: int):
+def write_ops(path: str, events, names: dict[str, str], calls: int) -> list[tuple]:
   """Every op's time per call, costliest first, as tab-separated op, ms, part, direction, name stack:
-  the whole list behind `table`'s top few, for reading offline."""
+  the whole list behind `table`'s top few, for reading offline. Returns those rows (ms as floats)."""
   a = attribute(events, names)
+  rows = []
+  for op, us in a["ops"].most_common():
+    stack = a["op_names"].get(op, "")
+    part, direction = model_part(stack) if stack else ("unattributed kernels", "")
+    rows.append((op, us / 1e3 / calls, part, direction, stack))
   with open(path, "w") as f:
     f.write("op\tms_per_call\tpart\tdirection\tname_stack\n")
-    for op, us in a["ops"].most_common():
-      stack = a["op_names"].get(op, "")
-      part, direction = model_part(stack) if stack else ("unattributed kernels", "")
-      f.write(f"{op}\t{us / 1e3 / calls:.4f}\t{part}\t{direction}\t{stack}\n")
+    f.writelines(f"{op}\t{ms:.4f}\t{part}\t{direction}\t{stack}\n" for op, ms, part, direction, stack in rows)
+  return rows
 
 
 _METADATA = re.compile(r",\s*metadata=\{[^}]*\}|,\s*backend_config=(?:\{.*\}|\"[^\"]*\")(?=,|$)")
@@ -222,8 +225,8 @@ def computations(hlo_text: str) -> dict[str, list[str]]:
 
 
 def fusion_bodies(hlo_text: str, ops_rows, min_ms: float, max_lines: int = 80) -> list[str]:
-  """What XLA put in each costly fused kernel: for every op of `ops_rows` (write_ops's rows: op, ms,
-  part, direction, name stack) of at least min_ms that is not a library call (cuBLAS, custom calls,
+  """What XLA put in each costly fused kernel: for every op of `ops_rows` (write_ops's rows: op, ms per
+  call, part, direction, name stack) of at least min_ms that is not a library call (cuBLAS, custom calls,
   Pallas kernels), its instruction and the fused computation it calls, metadata stripped. This is how
   one sees that a fusion writes float32 copies nobody asked for, or that XLA merged a reduction with
   unrelated element-wise outputs."""
@@ -251,12 +254,6 @@ def fusion_bodies(hlo_text: str, ops_rows, min_ms: float, max_lines: int = 80) -
     if len(body) > max_lines:
       out.append(f"   ... {len(body) - max_lines} more lines")
   return out
-
-
-def read_ops(path: str) -> list[list[str]]:
-  """write_ops's rows back from its file."""
-  with open(path) as f:
-    return [line.rstrip("\n").split("\t") for line in f.readlines()[1:]]
 
 
 def trace_steps(step, state, batch, calls: int, log_dir: str):
