@@ -192,7 +192,8 @@ def test_mix_keeps_no_float32_copy_of_a_source():
 
 def test_mix_bfloat16_gradients_match_autodiff():
   """bf16 sources (a bf16 model's case): the same bf16 inputs through attnres_mix and through autodiff
-  of the float32 formula agree to bf16 rounding, with the source gradients in bf16."""
+  of the float32 formula agree to bf16 rounding, with the output, its cotangent and the source
+  gradients in bf16."""
   from moejax.layers.attnres import attnres_mix
 
   rng = np.random.default_rng(11)
@@ -201,14 +202,15 @@ def test_mix_bfloat16_gradients_match_autodiff():
   sources, stacked = (bf(B, T, D), bf(B, T, D)), bf(3, B, T, D)
   valid_N = jnp.asarray([True, False, True])
   w = jnp.asarray(rng.normal(size=(D,)), jnp.float32)
-  dh = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
+  dh = jnp.asarray(rng.normal(size=(B, T, D)), jnp.bfloat16)
 
   def grads(f):
     _, vjp = jax.vjp(lambda w, s, st_: f(w, s, st_, valid_N), w, sources, stacked)
     return vjp(dh)
 
+  assert attnres_mix(w, sources, stacked, valid_N, 1e-6).dtype == jnp.bfloat16
   got = grads(lambda *a: attnres_mix(*a, 1e-6))
-  want = grads(_mix_autodiff)
+  want = grads(lambda *a: _mix_autodiff(*a).astype(jnp.bfloat16))
   assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(got[1:]))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)

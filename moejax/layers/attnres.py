@@ -41,7 +41,7 @@ class AttnResQuery(nn.Module):
     w_D = logical_param(self, "query", nn.initializers.zeros, (first.shape[-1],), ("embed",))
     if stacked is not None and valid_N is None:
       valid_N = jnp.ones((stacked.shape[0],), bool)
-    return attnres_mix(w_D, tuple(sources), stacked, valid_N, self.eps).astype(first.dtype)
+    return attnres_mix(w_D, tuple(sources), stacked, valid_N, self.eps)
 
 
 def _scores(w_D, v, eps):
@@ -80,7 +80,7 @@ def _mix_forward(w_D, sources, stacked, valid_N, eps):
   a_SBT = jax.nn.softmax(jnp.concatenate(logits), axis=0)
   a_parts = _split(a_SBT, parts)
   h_BTD = sum(_weighted(a, v) for a, v in zip(a_parts, parts, strict=True))
-  return h_BTD, (w_D, sources, stacked, valid_N, a_SBT, r_vw)
+  return h_BTD.astype(jnp.result_type(*parts)), (w_D, sources, stacked, valid_N, a_SBT, r_vw)
 
 
 def _split(x_S, parts):
@@ -101,12 +101,16 @@ def _weighted(a, v):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def attnres_mix(w_D, sources: tuple, stacked, valid_N, eps: float):
-  """h = sum_i a_i v_i, a = softmax_i(w . RMSNorm(v_i)), float32 [B,T,D], over the [B,T,D] `sources` and
-  the [N,B,T,D] `stacked` slots where `valid_N` (stacked slots come first in the softmax).
+  """h = sum_i a_i v_i, a = softmax_i(w . RMSNorm(v_i)), [B,T,D] in the sources' dtype (summed in
+  float32), over the [B,T,D] `sources` and the [N,B,T,D] `stacked` slots where `valid_N` (stacked slots
+  come first in the softmax).
 
   The backward pass keeps only the sources as given (bfloat16 in a bf16 model) and per-row scalars
   (the weights a, 1/rms and v.w): autodiff of the same formula kept float32 copies of every source
-  for both the key norm and the weighted sum, which at T=1M were 4 GiB per source and layer.
+  for both the key norm and the weighted sum, which at T=1M were 4 GiB per source and layer. The
+  output is rounded here rather than by the caller so that its cotangent arrives in the sources'
+  dtype too: each source's gradient sums one term per later sublayer, and XLA builds those terms from
+  the sublayers' cotangents, which it keeps until then (float32 ones doubled that traffic).
   """
   return _mix_forward(w_D, sources, stacked, valid_N, eps)[0]
 
@@ -121,13 +125,20 @@ def _mix_backward(eps, res, dh_BTD):
   da = [jnp.sum(v.astype(jnp.float32) * dh, axis=-1) for v in parts]
   da_SBT = jnp.concatenate([x if v.ndim == 4 else x[None] for x, v in zip(da, parts, strict=True)])
   dlogit_SBT = a_SBT * (da_SBT - jnp.sum(a_SBT * da_SBT, axis=0, keepdims=True))
-  dvs, dw = [], jnp.zeros_like(w32)
+  dvs, dlogit_r = [], []
   for v, a, dl, (r, vw) in zip(parts, _split(a_SBT, parts), _split(dlogit_SBT, parts), r_vw, strict=True):
     v32 = v.astype(jnp.float32)
     # logit = (v.w) r with r = (mean(v^2) + eps)^(-1/2): dlogit/dv = r w - (v.w) r^3 v / D.
     dv = a[..., None] * dh + dl[..., None] * (r[..., None] * w32 - (vw * r ** 3 / d)[..., None] * v32)
     dvs.append(dv.astype(v.dtype))
-    dw = dw + jnp.einsum("...,...d->d", dl * r, v32, precision="highest")
+    dlogit_r.append(dl * r)
+  # dw = sum over tokens of dlogit r v. Left to itself, XLA:GPU fused that column reduction with the
+  # sources' gradients (and their sums over later sublayers) into kernels tiled for the reduction,
+  # 1.2-3.7 ms each in the H200 step where a reduction alone takes ~0.1 ms (BENCHMARKS.md, "Training
+  # step profile"). Behind the barrier it is a pass of its own over the sources.
+  dlogit_r, parts = jax.lax.optimization_barrier((dlogit_r, parts))
+  dw = sum(jnp.einsum("...,...d->d", c, v.astype(jnp.float32), precision="highest")
+           for c, v in zip(dlogit_r, parts, strict=True))
   d_stacked = dvs.pop(0) if stacked is not None else None
   return dw.astype(w_D.dtype), tuple(dvs), d_stacked, None
 

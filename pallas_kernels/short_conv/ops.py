@@ -122,9 +122,11 @@ def _conv_silu_xla_fwd(x, w, doc, out_dtype):
 
 
 def _conv_silu_xla_bwd(out_dtype, res, dy):
-  x, w, doc = res
   # The convolution is recomputed (one fused pass) rather than kept, rounded to x's dtype as in the
-  # forward pass; its cotangent goes on in x's dtype, as autodiff's would through that rounding.
+  # forward pass; its cotangent goes on in x's dtype, as autodiff's would through that rounding. The
+  # barrier keeps XLA from merging the recomputation with the forward pass's (CSE), which would keep a
+  # float32 copy of the convolution from the forward pass instead.
+  x, w, doc = jax.lax.optimization_barrier(res)
   z = short_conv(x, w, doc).astype(jnp.float32)
   dz = (dy.astype(jnp.float32) * silu_grad(z)).astype(x.dtype)
   dx, dw = short_conv_vjp(dz, x, w, doc)

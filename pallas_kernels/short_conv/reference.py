@@ -77,10 +77,19 @@ def short_conv_vjp(dy_BTC, x_BTC, w_WC, doc_BT=None):
   dy32, x32, w32 = (a.astype(jnp.float32) for a in (dy_BTC, x_BTC, w_WC))
   masked = lambda lag, a: a if doc_BT is None else jnp.where(_same_document(doc_BT, lag, x_BTC.ndim), a, 0.0)
   dx = jnp.zeros_like(dy32)
+  for lag in range(min(W, T)):
+    dx = dx + _shift_left(masked(lag, dy32), lag, 0.0) * w32[W - 1 - lag]
+  # dw's column reductions read dy, x and the documents behind a barrier, in a pass of their own:
+  # XLA:GPU otherwise fuses them with element-wise passes that share an operand (dx's, the SiLU's
+  # recomputation, the other branches') and runs those in the reduction's tiling, 1.0 ms per KDA layer
+  # in the H200 step (BENCHMARKS.md, "Training step profile"). With dy and x alone behind it, the
+  # shared masks still merged them: two such fusions of 0.85 ms per layer.
+  dy_b, x_b, doc_b = jax.lax.optimization_barrier((dy_BTC, x_BTC, doc_BT))
+  dy32, x32 = dy_b.astype(jnp.float32), x_b.astype(jnp.float32)
+  masked = lambda lag, a: a if doc_b is None else jnp.where(_same_document(doc_b, lag, x_BTC.ndim), a, 0.0)
   dw = [jnp.zeros(w_WC.shape[1:], jnp.float32)] * W
   for lag in range(min(W, T)):
     # dw masks the product and dx masks dy alone, so the two share no masked copy of dy: a shared
     # one has two consumers, and XLA wrote it out once per tap (CPU plan: 8 GiB more at T=1M).
     dw[W - 1 - lag] = jnp.sum(masked(lag, dy32 * _shift_right(x32, lag, 0.0)), axis=(0, 1))
-    dx = dx + _shift_left(masked(lag, dy32), lag, 0.0) * w32[W - 1 - lag]
   return dx.astype(x_BTC.dtype), jnp.stack(dw).astype(w_WC.dtype)
