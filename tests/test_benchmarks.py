@@ -114,3 +114,17 @@ def test_kda_stress_run_end_to_end():
                         "--stress-heads", "1"], capture_output=True, text=True, timeout=300, cwd=root)
   assert out.returncode == 0, out.stderr[-2000:]
   assert "(B=1 H=1 D=32, chunk 32), forward and backward finite: True" in out.stdout
+
+
+def test_situ_glu_benchmark_smoke():
+  """`situ_glu.py --smoke` on the CPU: its three rows and the errors against float64, which at bf16 inputs
+  and outputs are bf16 rounding (a wrong form or gradient would show errors of order 1)."""
+  root = pathlib.Path(__file__).resolve().parent.parent
+  out = subprocess.run([sys.executable, str(root / "benchmarks" / "situ_glu.py"), "--smoke"],
+                       capture_output=True, text=True, timeout=300, cwd=root)
+  assert out.returncode == 0, out.stderr[-2000:]
+  rows = [line for line in out.stdout.splitlines() if line.startswith(("| moejax", "| formula"))]
+  assert len(rows) == 2, out.stdout
+  for row in rows:
+    errs = [float(x) for x in row.split("|")[-2].split("/")]
+    assert len(errs) == 3 and max(errs) < 1e-2, row

@@ -36,6 +36,31 @@ def test_situ_glu_is_swiglu_near_zero():
   np.testing.assert_allclose(np.asarray(situ_glu(x, u)), np.asarray(swiglu), rtol=1e-3, atol=1e-8)
 
 
+@pytest.mark.parametrize("b1,b2", [(4.0, 25.0), (1.5, 3.0)])
+def test_situ_glu_forward_is_accurate_per_element(b1, b2):
+  """The forward pass's exponential form, element by element against float64, in float32 over
+  magnitudes from 1e-6 to 1e3 of either sign: tiny inputs (where 1 - exp(-z) cancels), gates deep in
+  the sigmoid's tail (where exp(-|g|) is tiny) and saturated tanh all included."""
+  rng = np.random.default_rng(3)
+  g, u = ((rng.standard_normal(20_000) * 10.0 ** rng.uniform(-6, 3, 20_000)).astype(np.float32)
+          for _ in range(2))
+  want = _reference_vjp(g, u, np.ones_like(g), b1, b2)[0]
+  got = np.asarray(situ_glu(jnp.asarray(g), jnp.asarray(u), b1, b2), np.float64)
+  normal = np.abs(want) > 1e-30  # below that float32 flushes or loses digits in the product itself
+  np.testing.assert_allclose(got[normal], want[normal], rtol=2e-6, atol=0)
+  np.testing.assert_array_equal(np.signbit(got[normal]), np.signbit(want[normal]))
+
+
+def test_situ_glu_limits_and_nan():
+  """Infinite inputs give the bounded limits, NaN stays NaN (no silent clamping)."""
+  g = jnp.array([jnp.inf, -jnp.inf, 2.0, 2.0, jnp.nan, 0.0], jnp.float32)
+  u = jnp.array([2.0, 2.0, jnp.inf, -jnp.inf, 1.0, jnp.nan], jnp.float32)
+  h = np.asarray(situ_glu(g, u, 4.0, 25.0))
+  a2, b2 = 4 * np.tanh(0.5) / (1 + np.exp(-2.0)), 25 * np.tanh(2 / 25)
+  np.testing.assert_allclose(h[:4], [4 * b2, 0.0, 25 * a2, -25 * a2], rtol=1e-6)
+  assert np.isnan(h[4]) and np.isnan(h[5])
+
+
 def _situ_autodiff(gate, up, b1, b2):
   """The formula differentiated by JAX (the reference for the hand-written backward pass)."""
   return (b1 * jnp.tanh(gate / b1) * jax.nn.sigmoid(gate)) * (b2 * jnp.tanh(up / b2))

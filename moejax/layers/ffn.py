@@ -10,9 +10,31 @@ import jax.numpy as jnp
 from moejax.nn import Dense, dense_apply, remat_pieces
 
 
-def _situ(g32, u32, b1: float, b2: float):
-  """The two factors of SiTU-GLU, float32: (b1 tanh(g/b1) sigmoid(g), b2 tanh(u/b2))."""
-  return b1 * jnp.tanh(g32 / b1) * jax.nn.sigmoid(g32), b2 * jnp.tanh(u32 / b2)
+def _one_minus_exp_neg(z):
+  """1 - exp(-z) for z >= 0, float32, to a relative error of about 1e-6: below z = 0.1 from its series,
+  where the subtraction would cancel (1e-4 relative error at z = 1e-3). jnp.expm1 is accurate too but took the
+  H200 longer than the tanh it replaces (BENCHMARKS.md, "SiTU-GLU element-wise pass")."""
+  series = z * (1.0 - z * (1.0 / 2 - z * (1.0 / 6 - z * (1.0 / 24 - z * (1.0 / 120)))))
+  return jnp.where(z < 0.1, series, 1.0 - jnp.exp(-z))
+
+
+def _situ_product(g32, u32, b1: float, b2: float):
+  """h = b1 tanh(g/b1) sigmoid(g) b2 tanh(u/b2), float32, from exponentials of -|x| and one division.
+
+  With p = exp(-2|g|/b1), e = exp(-|g|), r = exp(-2|u|/b2), all in (0, 1]: tanh(|g|/b1) = (1-p)/(1+p),
+  sigmoid(g) = 1/(1+e) for g >= 0 and e/(1+e) below, tanh(|u|/b2) = (1-r)/(1+r); the signs of g and u
+  give h's, and no term can overflow. On the H200 this pass is faster than the same formula written with
+  jnp.tanh and jax.nn.sigmoid (BENCHMARKS.md, "SiTU-GLU element-wise pass"). The backward pass keeps
+  that form: its expressions must differ from these, or XLA merges the two (CSE) and keeps this pass's
+  float32 values until the backward pass, 1.5 GiB per MoE layer of the H200 step.
+  """
+  ag, au = jnp.abs(g32), jnp.abs(u32)
+  zg, zu = ag * (2.0 / b1), au * (2.0 / b2)
+  p, r = jnp.exp(-zg), jnp.exp(-zu)
+  e = p * p if b1 == 4.0 else jnp.exp(-ag)  # at the usual bound exp(-|g|) = p^2, one exponential fewer
+  num = _one_minus_exp_neg(zg) * _one_minus_exp_neg(zu) * jnp.where(g32 >= 0, 1.0, e)
+  magnitude = (b1 * b2) * num / ((1.0 + p) * (1.0 + e) * (1.0 + r))
+  return jnp.where((g32 < 0) != (u32 < 0), -magnitude, magnitude)
 
 
 def _situ_grads(g32, u32, dh32, b1: float, b2: float):
@@ -31,8 +53,7 @@ def situ_glu(gate, up, b1: float = 4.0, b2: float = 25.0):
   dtype. The backward pass keeps only gate and up and recomputes the rest in one element-wise pass
   (autodiff kept float32 intermediates of the [tokens, hidden] activations).
   """
-  a, b = _situ(gate.astype(jnp.float32), up.astype(jnp.float32), b1, b2)
-  return (a * b).astype(gate.dtype)
+  return _situ_product(gate.astype(jnp.float32), up.astype(jnp.float32), b1, b2).astype(gate.dtype)
 
 
 def _situ_glu_fwd(gate, up, b1, b2):
