@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.report import replace_section  # noqa: E402
+from benchmarks.report import relative_error, replace_section  # noqa: E402
 from benchmarks.timing import time_ms  # noqa: E402
 from pallas_kernels.gmm import DEFAULT_TILING, Tile, Tiling, gmm  # noqa: E402
 from pallas_kernels.gmm.kernel import gmm_pallas, tgmm_pallas  # noqa: E402
@@ -61,10 +61,6 @@ def bench(f, *args):
   return time_ms(f, *args) * 1e-3
 
 
-def rel_err(a, b):
-  a, b = (np.asarray(x, np.float32) for x in (a, b))
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
 
 @jax.jit
 def group_reference(x, w, sizes, dy):
@@ -87,7 +83,7 @@ def group_reference(x, w, sizes, dy):
 
 def errors(got, want):
   """Relative error of y, dlhs and drhs."""
-  return [rel_err(a, b) for a, b in zip(got, want, strict=True)]
+  return [relative_error(a, b) for a, b in zip(got, want, strict=True)]
 
 
 def fmt_err(errs):

@@ -1,7 +1,11 @@
-"""BENCHMARKS.md is shared by every benchmark: each owns one `## Title` section and replaces only it."""
+"""BENCHMARKS.md is shared by every benchmark: each owns one `## Title` section and replaces only it.
+Also what the kernel benchmarks share around their tables: the command line and the error measure."""
 
+import argparse
+import datetime
 import pathlib
 import re
+import sys
 
 
 def replace_section(path: str, title: str, body: str) -> None:
@@ -15,3 +19,40 @@ def replace_section(path: str, title: str, body: str) -> None:
   else:
     text = text.rstrip("\n") + "\n\n" + section
   p.write_text(text.rstrip("\n") + "\n")
+
+
+def provenance(device_kind: str) -> list[str]:
+  """A section's opening lines: the command that ran this script (as `python3 benchmarks/NAME.py ARGS`),
+  today's date and the device."""
+  script = f"benchmarks/{pathlib.Path(sys.argv[0]).name}"
+  return [f"Command: `python3 {' '.join([script, *sys.argv[1:]])}`  ",
+          f"Date: {datetime.date.today()}, device: {device_kind}.", ""]
+
+
+def publish(out: str | None, title: str, lines: list[str]) -> None:
+  """Prints the section and, where `out` names a file, writes it there as `## title`."""
+  print("\n".join(lines))
+  if out:
+    replace_section(out, title, "\n".join(lines))
+    print(f"wrote the '{title}' section of {out}")
+
+
+def relative_error(a, b) -> float:
+  """|a - b| / |b| over all elements (Frobenius norms), in float64."""
+  import numpy as np
+
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def kernel_benchmark_args(description: str) -> argparse.Namespace:
+  """--smoke (tiny shapes on the CPU, prints only) and --out; without --smoke, a GPU or exit."""
+  p = argparse.ArgumentParser(description=description)
+  p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU; prints, times nothing real")
+  p.add_argument("--out", default=None, help="markdown file to update (GPU runs)")
+  args = p.parse_args()
+  import jax
+
+  if not args.smoke and jax.default_backend() != "gpu":
+    sys.exit(f"benchmarks/{pathlib.Path(sys.argv[0]).name} needs a GPU; use --smoke on the CPU")
+  return args

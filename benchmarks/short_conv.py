@@ -9,8 +9,6 @@ and forward + backward (dx, dw). Bytes: x read and y written once forward; x and
 backward. Relative errors against the XLA path on float32 copies of the same inputs.
 """
 
-import argparse
-import datetime
 import os
 import sys
 
@@ -20,8 +18,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.report import replace_section  # noqa: E402
-from benchmarks.timing import copy_bandwidth, time_ms  # noqa: E402
+from benchmarks.report import kernel_benchmark_args, provenance, publish, relative_error  # noqa: E402
+from benchmarks.timing import copy_floor_note, time_ms  # noqa: E402
 from pallas_kernels.short_conv import conv_silu  # noqa: E402
 
 SECTION = "Short convolution"
@@ -38,20 +36,11 @@ def fwd(impl):
   return jax.jit(lambda x, w, doc: conv_silu(x, w, doc, implementation=impl, out_dtype=jnp.float32))
 
 
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
 
 def main():
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--smoke", action="store_true")
-  p.add_argument("--out", default=None, help="markdown file to update (GPU runs)")
-  args = p.parse_args()
+  args = kernel_benchmark_args(__doc__.splitlines()[0])
   B, T, H, K = (1, 100, 2, 16) if args.smoke else (4, 8192, 8, 128)
   ours = "interpret" if args.smoke else "pallas"
-  if not args.smoke and jax.default_backend() != "gpu":
-    sys.exit("benchmarks/short_conv.py needs a GPU; use --smoke on the CPU")
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((4, H, K)) * 0.5, jnp.float32)
@@ -62,19 +51,15 @@ def main():
   rows, times = [], {}
   for name, impl in ((f"ours ({ours})", ours), ("XLA reference + autodiff", "xla")):
     got = fwd_bwd(impl)(x, w, doc, dy)
-    errs = " / ".join(f"{rel(a, b):.1e}" for a, b in zip(got, want, strict=True))
+    errs = " / ".join(f"{relative_error(a, b):.1e}" for a, b in zip(got, want, strict=True))
     tf, tb = time_ms(fwd(impl), x, w, doc), time_ms(fwd_bwd(impl), x, w, doc, dy)
     times[impl] = (tf, tb)
     rows.append((name, tf, tb, errs))
     print(f"{name}: fwd {tf:.3f} ms, fwd+bwd {tb:.3f} ms, rel err y / dx / dw {errs}", flush=True)
   n = B * T * H * K
   bytes_fwd, bytes_bwd = n * (2 + 4), n * (2 + 4 + 2)
-  bw = None if args.smoke else copy_bandwidth()
-  floor = "" if bw is None else (f" Floor at the measured copy rate ({bw / 1e12:.2f} TB/s): forward "
-                                 f"{bytes_fwd / bw * 1e3:.3f} ms, forward + backward "
-                                 f"{(bytes_fwd + bytes_bwd) / bw * 1e3:.3f} ms.")
-  lines = [f"Command: `python3 benchmarks/short_conv.py {' '.join(sys.argv[1:])}`  ",
-           f"Date: {datetime.date.today()}, device: {jax.devices()[0].device_kind}.", "",
+  floor = "" if args.smoke else copy_floor_note(bytes_fwd, bytes_fwd + bytes_bwd)
+  lines = [*provenance(jax.devices()[0].device_kind),
            f"B={B} T={T} H={H} K={K} (one of the KDA layer's q/k/v branches in `experiments/h200.py`), "
            f"W=4, bf16 in, float32 out, packed documents (mean length 2048).{floor}", "",
            "| implementation | fwd ms | fwd+bwd ms | rel err y / dx / dw vs float32 XLA |",
@@ -82,10 +67,7 @@ def main():
   lines += [f"| {n_} | {tf:.3f} | {tb:.3f} | {e} |" for n_, tf, tb, e in rows]
   r = [times["xla"][i] / times[ours][i] for i in range(2)]
   lines += ["", f"XLA time / ours: forward {r[0]:.2f}x, forward + backward {r[1]:.2f}x."]
-  print("\n".join(lines))
-  if args.out:
-    replace_section(args.out, SECTION, "\n".join(lines))
-    print(f"wrote the '{SECTION}' section of {args.out}")
+  publish(args.out, SECTION, lines)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,6 @@ element); the backward pass reads gate, up and dh and writes two gradients (10 m
 (norm) against the formula in float64 on the same bf16 inputs.
 """
 
-import argparse
-import datetime
 import os
 import sys
 
@@ -22,8 +20,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.report import replace_section  # noqa: E402
-from benchmarks.timing import copy_bandwidth, time_ms  # noqa: E402
+from benchmarks.report import kernel_benchmark_args, provenance, publish, relative_error  # noqa: E402
+from benchmarks.timing import copy_floor_note, time_ms  # noqa: E402
 from moejax.layers.ffn import situ_glu  # noqa: E402
 
 SECTION = "SiTU-GLU element-wise pass"
@@ -59,18 +57,9 @@ def reference(g, u, dh):
   return B1 * tg * s * B2 * tu, dh * B2 * tu * da, dh * B1 * tg * s * (1.0 - tu * tu)
 
 
-def rel(a, b):
-  a = np.asarray(a, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
 
 def main():
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--smoke", action="store_true")
-  p.add_argument("--out", default=None, help="markdown file to update (GPU runs)")
-  args = p.parse_args()
-  if not args.smoke and jax.default_backend() != "gpu":
-    sys.exit("benchmarks/situ_glu.py needs a GPU; use --smoke on the CPU")
+  args = kernel_benchmark_args(__doc__.splitlines()[0])
   rows_, hidden = (512, 96) if args.smoke else (262144, 768)
   ks = jax.random.split(jax.random.key(0), 3)
   g, u, dh = (jax.random.normal(k, (rows_, hidden), jnp.float32).astype(jnp.bfloat16) for k in ks)
@@ -80,18 +69,15 @@ def main():
   for name, f in (("moejax (exponential form, hand-written backward)", ours),
                   ("formula (jnp.tanh, jax.nn.sigmoid; autodiff)", formula), ("SwiGLU (autodiff)", swiglu)):
     tf, tb = time_ms(jax.jit(f), g, u), time_ms(fwd_bwd(f), g, u, dh)
-    errs = "-" if f is swiglu else " / ".join(f"{rel(a, b):.1e}" for a, b in
+    errs = "-" if f is swiglu else " / ".join(f"{relative_error(a, b):.1e}" for a, b in
                                               zip(fwd_bwd(f)(g, u, dh), want, strict=True))
     times[f.__name__] = (tf, tb)
     rows.append((name, tf, tb, errs))
     print(f"{name}: fwd {tf:.3f} ms, fwd+bwd {tb:.3f} ms, rel err h / dg / du {errs}", flush=True)
   n = rows_ * hidden
   shape_note = " (the routed experts' hidden activations in `experiments/h200.py`'s step)"
-  bw = None if args.smoke else copy_bandwidth()
-  floor = "" if bw is None else (f" Floor at the measured copy rate ({bw / 1e12:.2f} TB/s): forward "
-                                 f"{6 * n / bw * 1e3:.3f} ms, forward + backward {16 * n / bw * 1e3:.3f} ms.")
-  lines = [f"Command: `python3 benchmarks/situ_glu.py {' '.join(sys.argv[1:])}`  ",
-           f"Date: {datetime.date.today()}, device: {jax.devices()[0].device_kind}.", "",
+  floor = "" if args.smoke else copy_floor_note(6 * n, 16 * n)
+  lines = [*provenance(jax.devices()[0].device_kind),
            f"{rows_} x {hidden}{'' if args.smoke else shape_note}, "
            f"b1={B1:g}, b2={B2:g}, bf16 in and out, gate ~ N(0, 9), up and dh ~ N(0, 1).{floor}", "",
            "| implementation | fwd ms | fwd+bwd ms | rel err h / dg / du vs float64 formula |",
@@ -99,10 +85,7 @@ def main():
   lines += [f"| {n_} | {tf:.3f} | {tb:.3f} | {e} |" for n_, tf, tb, e in rows]
   r = [times["formula"][i] / times["ours"][i] for i in range(2)]
   lines += ["", f"Formula time / moejax's: forward {r[0]:.2f}x, forward + backward {r[1]:.2f}x."]
-  print("\n".join(lines))
-  if args.out:
-    replace_section(args.out, SECTION, "\n".join(lines))
-    print(f"wrote the '{SECTION}' section of {args.out}")
+  publish(args.out, SECTION, lines)
 
 
 if __name__ == "__main__":

@@ -45,3 +45,11 @@ def copy_bandwidth(gib: int = 2) -> float:
   x = jnp.ones((gib * 256, 1024, 1024), jnp.float32)
   copy = jax.jit(lambda x: x + 1.0)
   return 2 * x.nbytes / (time_ms(copy, x, calls=5, repeats=7) * 1e-3)
+
+
+def copy_floor_note(fwd_bytes: int, fwd_bwd_bytes: int) -> str:
+  """' Floor at the measured copy rate (...): forward X ms, forward + backward Y ms.', for a table's
+  caption: the time that moving those bytes once takes at copy_bandwidth()."""
+  bw = copy_bandwidth()
+  return (f" Floor at the measured copy rate ({bw / 1e12:.2f} TB/s): forward {fwd_bytes / bw * 1e3:.3f} ms, "
+          f"forward + backward {fwd_bwd_bytes / bw * 1e3:.3f} ms.")

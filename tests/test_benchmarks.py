@@ -128,3 +128,18 @@ def test_situ_glu_benchmark_smoke():
   for row in rows:
     errs = [float(x) for x in row.split("|")[-2].split("/")]
     assert len(errs) == 3 and max(errs) < 1e-2, row
+
+
+def test_publish_writes_the_section_with_its_provenance(tmp_path, monkeypatch, capsys):
+  from benchmarks.report import provenance, publish
+
+  monkeypatch.setattr(sys, "argv", ["/somewhere/benchmarks/situ_glu.py", "--out", "B.md"])
+  lines = [*provenance("Some GPU"), "| a | b |"]
+  assert lines[0] == "Command: `python3 benchmarks/situ_glu.py --out B.md`  "
+  assert lines[1].startswith("Date: 20") and lines[1].endswith(", device: Some GPU.")
+  path = tmp_path / "B.md"
+  path.write_text("# Benchmarks\n\n## T\n\nold\n\n## U\n\nu\n")
+  publish(str(path), "T", lines)
+  assert path.read_text() == "# Benchmarks\n\n## T\n\n" + "\n".join(lines) + "\n\n## U\n\nu\n"
+  publish(None, "T", lines)
+  assert capsys.readouterr().out.count("| a | b |") == 2
