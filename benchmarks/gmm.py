@@ -61,7 +61,6 @@ def bench(f, *args):
   return time_ms(f, *args) * 1e-3
 
 
-
 @jax.jit
 def group_reference(x, w, sizes, dy):
   """(y, dlhs, drhs) in float32 at HIGHEST precision, one dense matmul per group over the rows masked

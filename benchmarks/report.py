@@ -7,6 +7,8 @@ import pathlib
 import re
 import sys
 
+import numpy as np
+
 
 def replace_section(path: str, title: str, body: str) -> None:
   """Writes `## title` + body into the Markdown file, replacing that section if present."""
@@ -39,10 +41,15 @@ def publish(out: str | None, title: str, lines: list[str]) -> None:
 
 def relative_error(a, b) -> float:
   """|a - b| / |b| over all elements (Frobenius norms), in float64."""
-  import numpy as np
-
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def fwd_bwd_table(rows, error_header: str) -> list[str]:
+  """A kernel benchmark's table: one row per (implementation, forward ms, forward + backward ms,
+  errors as text), under `| implementation | fwd ms | fwd+bwd ms | <error_header> |`."""
+  return [f"| implementation | fwd ms | fwd+bwd ms | {error_header} |", "|---|---|---|---|",
+          *(f"| {name} | {tf:.3f} | {tb:.3f} | {errs} |" for name, tf, tb, errs in rows)]
 
 
 def kernel_benchmark_args(description: str) -> argparse.Namespace:

@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.report import kernel_benchmark_args, provenance, publish, relative_error  # noqa: E402
+from benchmarks.report import fwd_bwd_table, kernel_benchmark_args, provenance, publish, relative_error  # noqa: E402
 from benchmarks.timing import copy_floor_note, time_ms  # noqa: E402
 from pallas_kernels.short_conv import conv_silu  # noqa: E402
 
@@ -34,7 +34,6 @@ def fwd_bwd(impl):
 
 def fwd(impl):
   return jax.jit(lambda x, w, doc: conv_silu(x, w, doc, implementation=impl, out_dtype=jnp.float32))
-
 
 
 def main():
@@ -62,9 +61,7 @@ def main():
   lines = [*provenance(jax.devices()[0].device_kind),
            f"B={B} T={T} H={H} K={K} (one of the KDA layer's q/k/v branches in `experiments/h200.py`), "
            f"W=4, bf16 in, float32 out, packed documents (mean length 2048).{floor}", "",
-           "| implementation | fwd ms | fwd+bwd ms | rel err y / dx / dw vs float32 XLA |",
-           "|---|---|---|---|"]
-  lines += [f"| {n_} | {tf:.3f} | {tb:.3f} | {e} |" for n_, tf, tb, e in rows]
+           *fwd_bwd_table(rows, "rel err y / dx / dw vs float32 XLA")]
   r = [times["xla"][i] / times[ours][i] for i in range(2)]
   lines += ["", f"XLA time / ours: forward {r[0]:.2f}x, forward + backward {r[1]:.2f}x."]
   publish(args.out, SECTION, lines)

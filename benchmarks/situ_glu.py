@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.report import kernel_benchmark_args, provenance, publish, relative_error  # noqa: E402
+from benchmarks.report import fwd_bwd_table, kernel_benchmark_args, provenance, publish, relative_error  # noqa: E402
 from benchmarks.timing import copy_floor_note, time_ms  # noqa: E402
 from moejax.layers.ffn import situ_glu  # noqa: E402
 
@@ -57,7 +57,6 @@ def reference(g, u, dh):
   return B1 * tg * s * B2 * tu, dh * B2 * tu * da, dh * B1 * tg * s * (1.0 - tu * tu)
 
 
-
 def main():
   args = kernel_benchmark_args(__doc__.splitlines()[0])
   rows_, hidden = (512, 96) if args.smoke else (262144, 768)
@@ -80,9 +79,7 @@ def main():
   lines = [*provenance(jax.devices()[0].device_kind),
            f"{rows_} x {hidden}{'' if args.smoke else shape_note}, "
            f"b1={B1:g}, b2={B2:g}, bf16 in and out, gate ~ N(0, 9), up and dh ~ N(0, 1).{floor}", "",
-           "| implementation | fwd ms | fwd+bwd ms | rel err h / dg / du vs float64 formula |",
-           "|---|---|---|---|"]
-  lines += [f"| {n_} | {tf:.3f} | {tb:.3f} | {e} |" for n_, tf, tb, e in rows]
+           *fwd_bwd_table(rows, "rel err h / dg / du vs float64 formula")]
   r = [times["formula"][i] / times["ours"][i] for i in range(2)]
   lines += ["", f"Formula time / moejax's: forward {r[0]:.2f}x, forward + backward {r[1]:.2f}x."]
   publish(args.out, SECTION, lines)

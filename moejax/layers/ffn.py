@@ -10,12 +10,13 @@ import jax.numpy as jnp
 from moejax.nn import Dense, dense_apply, remat_pieces
 
 
-def _one_minus_exp_neg(z):
-  """1 - exp(-z) for z >= 0, float32, to a relative error of about 1e-6: below z = 0.1 from its series,
-  where the subtraction would cancel (1e-4 relative error at z = 1e-3). jnp.expm1 is accurate too but took the
-  H200 longer than the tanh it replaces (BENCHMARKS.md, "SiTU-GLU element-wise pass")."""
+def _one_minus(p, z):
+  """1 - p for p = exp(-z), z >= 0, float32, to a relative error of about 1e-6: below z = 0.1 from the
+  series of 1 - exp(-z), where the subtraction would cancel (1e-4 relative error at z = 1e-3). jnp.expm1
+  is accurate too but took the H200 longer than the tanh it replaces (BENCHMARKS.md, "SiTU-GLU
+  element-wise pass")."""
   series = z * (1.0 - z * (1.0 / 2 - z * (1.0 / 6 - z * (1.0 / 24 - z * (1.0 / 120)))))
-  return jnp.where(z < 0.1, series, 1.0 - jnp.exp(-z))
+  return jnp.where(z < 0.1, series, 1.0 - p)
 
 
 def _situ_product(g32, u32, b1: float, b2: float):
@@ -32,7 +33,7 @@ def _situ_product(g32, u32, b1: float, b2: float):
   zg, zu = ag * (2.0 / b1), au * (2.0 / b2)
   p, r = jnp.exp(-zg), jnp.exp(-zu)
   e = p * p if b1 == 4.0 else jnp.exp(-ag)  # at the usual bound exp(-|g|) = p^2, one exponential fewer
-  num = _one_minus_exp_neg(zg) * _one_minus_exp_neg(zu) * jnp.where(g32 >= 0, 1.0, e)
+  num = _one_minus(p, zg) * _one_minus(r, zu) * jnp.where(g32 >= 0, 1.0, e)
   magnitude = (b1 * b2) * num / ((1.0 + p) * (1.0 + e) * (1.0 + r))
   return jnp.where((g32 < 0) != (u32 < 0), -magnitude, magnitude)
 
