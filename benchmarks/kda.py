@@ -328,7 +328,9 @@ def sweep(args):
         tuning=tuning, **kw))
     from pallas_kernels.kda.pallas_op import _cumsum_in_chunks
     G = _cumsum_in_chunks(g, C)
-    W, U, qg, kd, Aqk, sdec = prep(64, Tuning(4, 1))(q, k, v, G, beta, doc)
+    W, U, qg, kd, Aqk, sdec, A, Linv = jax.jit(functools.partial(
+        pallas_prep.prep_forward, chunk=C, block=min(64, D), scale=D**-0.5, prec=prec, store_dtype=bf,
+        tuning=Tuning(4, 1), keep_solve=True, **kw))(q, k, v, G, beta, doc)
     S0 = jnp.zeros((B, H, D, D), jnp.float32)
     if T == SHAPES[0][1]:
       for block, nw, *ns in args.sweep_prep:
@@ -362,7 +364,7 @@ def sweep(args):
       pb = jax.jit(functools.partial(pallas_prep.prep_backward, chunk=C, block=min(block, D), scale=D**-0.5,
                                      prec=prec, tuning=Tuning(nw, ns), g_dtype=g.dtype, **kw))
       report(f"B={B} T={T} C={C} prep_bwd block={block} warps={nw} stages={ns}", pb, q, k, v, G, beta, doc,
-             dW, dVp, dqg, dkd, dAqk, dsdec)
+             A, Linv, dW, dVp, dqg, dkd, dAqk, dsdec)
     del states, dSn, dVp, Vp
 
 

@@ -2,7 +2,8 @@
 
 Forward: prep_forward (parallel over chunks) -> scan_forward (sequential over chunks).
 Backward: scan_backward (reverse sequential) -> state_grads -> prep_backward (both parallel over chunks).
-The forward keeps the per-chunk W, qg, kd, A_qk, sdec, V' and the state entering each chunk.
+The forward keeps the per-chunk W, qg, kd, A_qk, sdec, V', the state entering each chunk, and the solve
+(strict S_kk and Linv, float32 [C,C] per chunk) so that the backward pass does not redo it.
 Padding to a whole number of chunks, and of K and V to powers of two (>= 16, as Triton dots need),
 happens here; zero k, v, beta and g leave the state unchanged.
 """
@@ -89,16 +90,17 @@ def _cumsum_in_chunks(g, C):
 
 def _forward(st: _Static, q, k, v, g, beta, S0, doc, keep: bool):
   K, V = q.shape[-1], v.shape[-1]
-  W, U, qg, kd, Aqk, sdec = prep_forward(q, k, v, _cumsum_in_chunks(g, st.chunk), beta, doc,
-                                         chunk=st.chunk, block=st.block(K, V), scale=st.scale, prec=st.prec,
-                                         store_dtype=st.store_dtype, interpret=st.interpret,
-                                         tuning=st.cfg.prep_fwd)
+  W, U, qg, kd, Aqk, sdec, *solve = prep_forward(q, k, v, _cumsum_in_chunks(g, st.chunk), beta, doc,
+                                                 chunk=st.chunk, block=st.block(K, V), scale=st.scale,
+                                                 prec=st.prec, store_dtype=st.store_dtype,
+                                                 interpret=st.interpret, tuning=st.cfg.prep_fwd,
+                                                 keep_solve=keep)
   o, S_fin, states, Vp = scan_forward(W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype,
                                       block_v=st.cfg.block_v(st.cfg.block_v_fwd, q.shape[0], q.shape[2], V),
                                       big=st.prec.big,
                                       states_dtype=st.store_dtype if keep else None,
                                       interpret=st.interpret, tuning=st.cfg.scan_fwd)
-  return (o, S_fin), (q, k, v, g, beta, doc, W, qg, kd, Aqk, sdec, states, Vp)
+  return (o, S_fin), (q, k, v, g, beta, doc, W, qg, kd, Aqk, sdec, states, Vp, *solve)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -111,7 +113,7 @@ def _kda_fwd(st, q, k, v, g, beta, S0, doc):
 
 
 def _kda_bwd(st, res, cts):
-  q, k, v, g, beta, doc, W, qg, kd, Aqk, sdec, states, Vp = res
+  q, k, v, g, beta, doc, W, qg, kd, Aqk, sdec, states, Vp, A, Linv = res
   dO, dS_fin = cts
   K, V = q.shape[-1], v.shape[-1]
   dO = dO.astype(st.store_dtype)
@@ -123,8 +125,8 @@ def _kda_bwd(st, res, cts):
                                           prec=st.prec,
                                           store_dtype=st.store_dtype, interpret=st.interpret,
                                           tuning=st.cfg.state_grads)
-  dq, dk, dv, dg, dbeta = prep_backward(q, k, v, _cumsum_in_chunks(g, st.chunk), beta, doc, dW, dVp, dqg,
-                                        dkd, dAqk, dsdec, g_dtype=g.dtype, chunk=st.chunk,
+  dq, dk, dv, dg, dbeta = prep_backward(q, k, v, _cumsum_in_chunks(g, st.chunk), beta, doc, A, Linv, dW, dVp,
+                                        dqg, dkd, dAqk, dsdec, g_dtype=g.dtype, chunk=st.chunk,
                                         block=st.block(K, V), scale=st.scale, prec=st.prec,
                                         interpret=st.interpret, tuning=st.cfg.prep_bwd)
   return dq, dk, dv, dg, dbeta, dS0, None

@@ -1,8 +1,9 @@
 """The chunk-parallel KDA kernels: one program per (chunk, head, batch row).
 
-prep_forward:  inputs -> W, U, qg, kd, A_qk, sdec for the state pass (pallas_tiles.prep).
+prep_forward:  inputs -> W, U, qg, kd, A_qk, sdec for the state pass (pallas_tiles.prep), and for
+               training the solve (strict S_kk, Linv) for prep_backward.
 state_grads:   states, their cotangents, dO, dV', V' -> dW, dqg, dkd, dA_qk, dsdec (pallas_tiles.state_grads).
-prep_backward: those cotangents -> dq, dk, dv, dg, dbeta (pallas_tiles.prep_vjp).
+prep_backward: those cotangents and the solve -> dq, dk, dv, dg, dbeta (pallas_tiles.prep_vjp).
 
 Layouts: q, k [B,T,H,K], v [B,T,H,V], beta [B,T,H] as the caller gives them (T padded to a whole number
 of chunks), G [B,T,H,K] float32 the in-chunk cumsum of g, row codes [B,T]; per-chunk results [B,H,T,*]
@@ -100,29 +101,37 @@ def _scratch_shapes(B, H, T, C, n):
 
 
 def prep_forward(q, k, v, G, beta, code, *, chunk: int, block: int, scale: float, prec: tiles.Precision,
-                 store_dtype, interpret: bool, tuning: Tuning):
-  """Returns W, U, qg, kd, Aqk, sdec: [B,H,T,K|V|K|K|C] in store_dtype and [B,H,N,K] float32."""
+                 store_dtype, interpret: bool, tuning: Tuning, keep_solve: bool = False):
+  """Returns W, U, qg, kd, Aqk, sdec: [B,H,T,K|V|K|K|C] in store_dtype and [B,H,N,K] float32; with
+  keep_solve also the solve that prep_backward needs: strict S_kk and Linv, [B,H,T,C] float32 each."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   C, N = chunk, T // chunk
 
   def kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref, W_ref, U_ref, qg_ref, kd_ref, Aqk_ref,
-             sdec_ref, A_ref, D_ref):
+             sdec_ref, A_ref, D_ref, *Linv_ref):
     pr = _Program(C, block, interpret)
 
     def put_Aqk(p, x):
       Aqk_ref[pr.b, pr.h, pr.rows(p), :] = x.astype(Aqk_ref.dtype)
 
+    def put_Linv(x):
+      Linv_ref[0][pr.b, pr.h, pr.rows(), :] = x
+
     put = tiles.Prep(W=pr.put_full(W_ref), U=pr.put_full(U_ref), qg=pr.put_full(qg_ref),
-                     kd=pr.put_full(kd_ref), Aqk=put_Aqk, sdec=pr.put_per_chunk(sdec_ref))
+                     kd=pr.put_full(kd_ref), Aqk=put_Aqk, sdec=pr.put_per_chunk(sdec_ref),
+                     Linv=put_Linv if keep_solve else None)
     tiles.prep(*pr.inputs(q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref), scale, prec,
                pr.scratch({"A": A_ref, "D": D_ref}), put)
 
   sd = lambda *shape: jax.ShapeDtypeStruct(shape, store_dtype)
+  # The scratch "A" (strict S_kk) is complete once the program ends, so with keep_solve it is an output.
   out_shape = (sd(B, H, T, K), sd(B, H, T, V), sd(B, H, T, K), sd(B, H, T, K), sd(B, H, T, C),
-               jax.ShapeDtypeStruct((B, H, N, K), jnp.float32)) + _scratch_shapes(B, H, T, C, 2)
-  return launch(kernel, grid=(N, H, B), out_shape=out_shape, interpret=interpret, tuning=tuning,
-                name="kda_prep_fwd")(q, k, v, G, beta, code)[:6]
+               jax.ShapeDtypeStruct((B, H, N, K), jnp.float32))
+  out_shape += _scratch_shapes(B, H, T, C, 3 if keep_solve else 2)
+  out = launch(kernel, grid=(N, H, B), out_shape=out_shape, interpret=interpret, tuning=tuning,
+               name="kda_prep_fwd")(q, k, v, G, beta, code)
+  return out[:6] + ((out[6], out[8]) if keep_solve else ())
 
 
 def state_grads(states, dS_next, dO, dVp, Vp, *, block: int, prec: tiles.Precision, store_dtype,
@@ -156,17 +165,19 @@ def state_grads(states, dS_next, dO, dVp, Vp, *, block: int, prec: tiles.Precisi
                 name="kda_state_grads")(states, dS_next, dO, dVp, Vp)
 
 
-def prep_backward(q, k, v, G, beta, code, dW, dU, dqg, dkd, dAqk, dsdec, *, g_dtype, chunk: int, block: int,
-                  scale: float, prec: tiles.Precision, interpret: bool, tuning: Tuning):
+def prep_backward(q, k, v, G, beta, code, A, Linv, dW, dU, dqg, dkd, dAqk, dsdec, *, g_dtype, chunk: int,
+                  block: int, scale: float, prec: tiles.Precision, interpret: bool, tuning: Tuning):
   """Returns dq, dk, dv, dg, dbeta in the layouts and dtypes of q, k, v, G, beta (dg in g_dtype).
 
+  A, Linv [B,H,T,C]: the forward pass's solve (prep_forward with keep_solve); reading them costs less
+  than redoing the scores and the solve here (H200, B=2 T=8192 H=16: see BENCHMARKS.md "KDA kernel").
   dW, dqg, dkd [B,H,T,K], dU [B,H,T,V], dAqk [B,H,T,C], dsdec [B,H,N,K]: cotangents of prep_forward.
   """
   B, T, H, K = q.shape
   C, N = chunk, T // chunk
 
-  def kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref, dW_ref, dU_ref, dqg_ref, dkd_ref, dAqk_ref,
-             dsdec_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, A_ref, D_ref, L_ref, Q_ref, K_ref):
+  def kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref, A_ref, L_ref, dW_ref, dU_ref, dqg_ref, dkd_ref,
+             dAqk_ref, dsdec_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, Q_ref, K_ref):
     pr = _Program(C, block, interpret)
     c, h, b = pr.c, pr.h, pr.b
     d = tiles.Prep(W=pr.bhtx(dW_ref), U=pr.bhtx(dU_ref), qg=pr.bhtx(dqg_ref), kd=pr.bhtx(dkd_ref),
@@ -178,11 +189,11 @@ def prep_backward(q, k, v, G, beta, code, dW, dU, dqg, dkd, dAqk, dsdec, *, g_dt
 
     put = tiles.Grads(q=pr.put_tile_btx(dq_ref), k=pr.put_tile_btx(dk_ref), v=pr.put_full(dv_ref, "btx"),
                       g=pr.put_tile_btx(dg_ref), b=put_db)
-    scratch = pr.scratch({"A": A_ref, "D": D_ref, "L": L_ref, "Q": Q_ref, "K": K_ref})
+    scratch = pr.scratch({"A": A_ref, "L": L_ref, "Q": Q_ref, "K": K_ref})
     tiles.prep_vjp(*pr.inputs(q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref), scale, prec, d, scratch,
                    put)
 
   like = lambda x, dtype=None: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype)
-  out_shape = (like(q), like(k), like(v), like(G, g_dtype), like(beta)) + _scratch_shapes(B, H, T, C, 5)
+  out_shape = (like(q), like(k), like(v), like(G, g_dtype), like(beta)) + _scratch_shapes(B, H, T, C, 2)
   return launch(kernel, grid=(N, H, B), out_shape=out_shape, interpret=interpret, tuning=tuning,
-                name="kda_prep_bwd")(q, k, v, G, beta, code, dW, dU, dqg, dkd, dAqk, dsdec)[:5]
+                name="kda_prep_bwd")(q, k, v, G, beta, code, A, Linv, dW, dU, dqg, dkd, dAqk, dsdec)[:5]

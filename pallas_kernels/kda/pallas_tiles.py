@@ -187,13 +187,15 @@ def solve_setup(Skk, b: Rows, code: Rows, dm: Docs, scratch: Scratch, prec: Prec
 
 class Prep(NamedTuple):
   """Per chunk, what the state pass needs (scale folded into qg and Aqk), as sinks or sources:
-  W, qg, kd [C,BK] and sdec [BK] by K block, U [C,BK] by V block, Aqk by 16-row strip [16,C]."""
+  W, qg, kd [C,BK] and sdec [BK] by K block, U [C,BK] by V block, Aqk by 16-row strip [16,C]; and
+  optionally Linv [C,C], the solve, for the backward pass (None: not kept)."""
   W: Any
   U: Any
   qg: Any
   kd: Any
   Aqk: Any
   sdec: Any
+  Linv: Any = None
 
 
 def prep(q: Chunk, k: Chunk, v: Chunk, g: Chunk, b: Rows, code: Rows, scale: float, prec: Precision,
@@ -205,6 +207,8 @@ def prep(q: Chunk, k: Chunk, v: Chunk, g: Chunk, b: Rows, code: Rows, scale: flo
   for p in range(len(Sqk)):
     put.Aqk(p, jnp.where(_strip_mask(dm, code, p, strict=False), scale * Sqk[p], 0.0))
   Linv = solve_setup(Skk, b, code, dm, scratch, prec)
+  if put.Linv is not None:
+    put.Linv(Linv)
   b_C1 = _f32(b.full())[:, None]
 
   def w_block(i, carry):
@@ -296,18 +300,17 @@ def _route_to_gates(tile_docs, dG: list, dGC, prec_exact: str):
 def prep_vjp(q: Chunk, k: Chunk, v: Chunk, g: Chunk, b: Rows, code: Rows, scale: float, prec: Precision,
              d: Prep, scratch: Scratch, put: Grads):
   """Cotangents of (q, k, v, g, b) from those of prep's outputs (d: sources shaped like prep's sinks,
-  except d.Aqk() -> the whole [C,C]).
+  except d.Aqk() -> the whole [C,C]). The forward pass's solve comes in the scratch: "A" (strict S_kk,
+  as solve_setup leaves it) and "L" (Linv), so it is not recomputed.
 
   Hand-derived so that it stays dots and element-wise math:
     dR = Linv^T dWU,  dA_kk = -mask(dR WU^T),  and for S[i,j] = sum_d x_id y_jd e^{G_id - G_jd}
     dG = x * dx - y * dy, which avoids differentiating the decay factors one by one.
   """
   dm = docs(code)
-  _, Skk = score_strips(None, k, g, prec)
-  P = len(Skk)
-  C = P * TILE
-  Linv = solve_setup(Skk, b, code, dm, scratch, prec)
-  scratch.put_full("L", Linv)
+  Linv = scratch.full("L")
+  C = Linv.shape[0]
+  P = C // TILE
   b_C1 = _f32(b.full())[:, None]
   dWc = lambda i: jnp.where(dm.carried, _f32(d.W.full(i)), 0.0)
 
