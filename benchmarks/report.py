@@ -52,11 +52,14 @@ def fwd_bwd_table(rows, error_header: str) -> list[str]:
           *(f"| {name} | {tf:.3f} | {tb:.3f} | {errs} |" for name, tf, tb, errs in rows)]
 
 
-def kernel_benchmark_args(description: str) -> argparse.Namespace:
-  """--smoke (tiny shapes on the CPU, prints only) and --out; without --smoke, a GPU or exit."""
+def kernel_benchmark_args(description: str, add_arguments=None) -> argparse.Namespace:
+  """--smoke (tiny shapes on the CPU, prints only) and --out, plus what `add_arguments(parser)` adds;
+  without --smoke, a GPU or exit."""
   p = argparse.ArgumentParser(description=description)
   p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU; prints, times nothing real")
   p.add_argument("--out", default=None, help="markdown file to update (GPU runs)")
+  if add_arguments is not None:
+    add_arguments(p)
   args = p.parse_args()
   import jax
 

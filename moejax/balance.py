@@ -23,12 +23,25 @@ previous batch's bias (the warm start used in training) a few sweeps suffice.
 
 Under data parallelism the per-column quantile comes from histograms whose bin counts are summed over
 the token axes (`histogram_threshold` with `axis_name`), so no shard sees another's scores.
+
+The exact path's sweeps run pallas_kernels.quantile (margins and per-column threshold: Pallas kernels on
+GPU, bit for bit equal to their XLA reference, which runs elsewhere); the histogram path is XLA.
 """
 
 from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.quantile import margin_threshold, resolve_implementation
+
+# The exact path's XLA pieces live beside their kernels; they stay importable from here.
+from pallas_kernels.quantile.reference import (  # noqa: F401
+    RADIX_BITS,
+    choice_margins,
+    exact_threshold,
+    kth_largest_key,
+)
 
 BALANCE_MODES = ("quantile", "sign", "aux", "none")
 
@@ -39,64 +52,6 @@ def _check_scores(scores_MN, k):
   n = scores_MN.shape[1]
   if not 1 <= k <= n:
     raise ValueError(f"top-k k={k} must be in [1, num_experts={n}]")
-
-
-def choice_margins(scores_MN, bias_N, k: int):
-  """c_ij = s_ij - (k-th largest of s_il + b_l over l != j): j is chosen iff c_ij > -b_j."""
-  v_MN = scores_MN + bias_N
-  # The barrier keeps XLA:CPU from rewriting top_k + two column slices into a full sort (30x slower).
-  top_MK1 = jax.lax.optimization_barrier(jax.lax.top_k(v_MN, k + 1)[0])
-  kth_M, next_M = top_MK1[:, k - 1], top_MK1[:, k]
-  chosen_MN = v_MN >= kth_M[:, None]
-  return scores_MN - jnp.where(chosen_MN, next_M[:, None], kth_M[:, None])
-
-
-def exact_threshold(values_MN, num_above: float):
-  """Per column, the midpoint between the q-th and (q+1)-th largest entries, q = round(num_above):
-  exactly q entries exceed it (barring ties)."""
-  m = values_MN.shape[0]
-  if m == 1:
-    return values_MN[0]
-  q = min(max(round(num_above), 1), m - 1)
-  v_MN = values_MN.astype(jnp.float32)
-  key_MN = _ordered_key(v_MN)
-  kth_N = kth_largest_key(key_MN, q)
-  # The (q+1)-th largest: the q-th itself when it is tied, else the largest entry below it.
-  ties_N = jnp.sum(key_MN >= kth_N, axis=0) > q
-  below_N = jnp.max(jnp.where(key_MN < kth_N, v_MN, -jnp.inf), axis=0)
-  kth_value_N = _key_value(kth_N)
-  return 0.5 * (kth_value_N + jnp.where(ties_N, kth_value_N, below_N))
-
-
-def _ordered_key(x):
-  """uint32 keys of float32 x whose unsigned order is the order of the values (NaN excepted)."""
-  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
-
-
-def _key_value(key):
-  bits = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
-  return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
-RADIX_BITS = 4
-
-
-def kth_largest_key(key_MN, q: int):
-  """Per column, the q-th largest uint32 key (1 <= q <= rows), by radix selection from the top bit:
-  each of 32 / RADIX_BITS passes counts, per column, the keys at or above the 2^RADIX_BITS candidates
-  that extend the prefix found so far, and keeps the largest candidate with q or more. One fused
-  compare-and-count per pass, where lax.top_k of k ~ m*k/n entries per column sorts the column (on
-  the H200 step those sorts, one per sweep and MoE layer, took 11.7 ms)."""
-  digits = 1 << RADIX_BITS
-  prefix_N = jnp.zeros(key_MN.shape[1:], jnp.uint32)
-  for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
-    cand_DN = prefix_N[None] | (jnp.arange(digits, dtype=jnp.uint32)[:, None] << shift)
-    count_DN = jnp.sum(key_MN[:, None, :] >= cand_DN[None], axis=0, dtype=jnp.int32)
-    # Counts fall as the candidate grows, and candidate 0 (the prefix) always has q or more.
-    digit_N = jnp.sum(count_DN >= q, axis=0, dtype=jnp.int32) - 1
-    prefix_N = prefix_N | (digit_N.astype(jnp.uint32) << shift)
-  return prefix_N
 
 
 def histogram_threshold(values_MN, num_above, bins: int, axis_name=None):
@@ -130,15 +85,19 @@ def histogram_threshold(values_MN, num_above, bins: int, axis_name=None):
 
 
 def quantile_bias(scores, k: int, bias=None, iters: int = 4, *, bins: int | None = None,
-                  axis_name=None):
+                  axis_name=None, implementation: str | None = None):
   """Mean-zero bias b [n] so that top-k of (scores + b) gives every expert about m*k/n tokens.
 
   scores [m, n] in (0, 1) (the router's sigmoid; no gradient flows through). `bias` warm-starts the
   alternation (the previous batch's bias is a good start). `bins=None` uses the exact quantile;
   `bins=B` the histogram, which is what runs under data parallelism, with the token axes as
   `axis_name` (inside shard_map; then m counts the tokens of all shards).
+  `implementation` runs each exact sweep (pallas_kernels.quantile.margin_threshold): None -> the Pallas
+  kernels on GPU and XLA elsewhere, or "xla", "pallas", "interpret"; all give the same bits. The
+  histogram path always runs in XLA.
   """
   _check_scores(scores, k)
+  implementation = resolve_implementation(implementation)
   if iters < 1:
     raise ValueError(f"quantile_bias needs iters >= 1, got {iters}")
   if axis_name is not None and bins is None:
@@ -153,13 +112,15 @@ def quantile_bias(scores, k: int, bias=None, iters: int = 4, *, bins: int | None
   m_total = m if axis_name is None else jax.lax.psum(m, axis_name)
   num_above = m_total * k / n
   for _ in range(iters):
-    c_MN = choice_margins(s_MN, b_N, k)
     if bins is None:
-      t_N = exact_threshold(c_MN, num_above)
+      t_N = margin_threshold(s_MN, b_N, k, num_above, implementation=implementation)
     else:
-      t_N = histogram_threshold(c_MN, num_above, bins, axis_name)
-    b_N = -t_N
-    b_N = b_N - jnp.mean(b_N)
+      t_N = histogram_threshold(choice_margins(s_MN, b_N, k), num_above, bins, axis_name)
+    # The barriers fence the re-centring off from the sweeps around it, so XLA compiles it alike
+    # whichever implementation made t: fused with the XLA sweep, its mean came out an ulp off the
+    # kernels' (another reduction order), and the biases drifted apart over the sweeps.
+    b_N = -jax.lax.optimization_barrier(t_N)
+    b_N = jax.lax.optimization_barrier(b_N - jnp.mean(b_N))
   return b_N
 
 

@@ -13,6 +13,7 @@ import ml_collections
 MIXERS = ("kda", "mla")
 BALANCE_MODES = ("quantile", "sign", "aux", "none")
 GROUPED_MATMULS = ("auto", "xla", "pallas", "interpret")
+BALANCE_IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")
 MLA_ATTENTIONS = ("auto", "xla", "cudnn", "pallas", "interpret")
 RESIDUAL_MODES = ("attnres", "residual")
 KDA_IMPLEMENTATIONS = (None, "xla", "pallas", "interpret", "recurrent")
@@ -100,6 +101,10 @@ def base_config() -> ml_collections.ConfigDict:
   e.routed_scaling = 1.0
   e.balance = "quantile"
   e.balance_iters = 4
+  # The exact quantile sweeps (balance="quantile" without expert parallelism; the histogram that runs
+  # with it is XLA): "auto" (Pallas kernels on GPU, XLA elsewhere), "xla", "pallas" (GPU only) or
+  # "interpret" (the kernels in Pallas interpret mode, slow; for tests). All give the same bias.
+  e.balance_implementation = "auto"
   e.histogram_bins = 2048
   e.sign_rate = 1e-3
   e.aux_loss_weight = 1e-4
@@ -258,6 +263,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(e.balance in BALANCE_MODES, f"model.moe.balance={e.balance!r} not in {BALANCE_MODES}")
     need(e.grouped_matmul in GROUPED_MATMULS,
          f"model.moe.grouped_matmul={e.grouped_matmul!r} not in {GROUPED_MATMULS}")
+    need(e.balance_implementation in BALANCE_IMPLEMENTATIONS,
+         f"model.moe.balance_implementation={e.balance_implementation!r} not in {BALANCE_IMPLEMENTATIONS}")
     need(e.num_shared >= 0, "model.moe.num_shared must be >= 0")
     need(isinstance(e.token_chunk, int) and e.token_chunk >= 0,
          f"model.moe.token_chunk must be an integer >= 0 (0: no chunking), got {e.token_chunk!r}")

@@ -267,7 +267,7 @@ def init_variables(model: Transformer, rng: jax.Array, batch: int = 1, seq_len: 
   """
   cfg = copy.deepcopy(model.cfg.as_configdict())  # as_configdict shares the caller's config
   cfg.kda.implementation, cfg.mla.attention, cfg.moe.grouped_matmul = "xla", "xla", "xla"
-  cfg.kda.conv_implementation = "xla"
+  cfg.kda.conv_implementation, cfg.moe.balance_implementation = "xla", "xla"
   plain = model.clone(cfg=ml_collections.FrozenConfigDict(cfg))
   tokens = jnp.zeros((batch, seq_len), jnp.int32)
   return jax.jit(lambda r: plain.init(r, tokens, mutable=("params", "balance")))(rng)

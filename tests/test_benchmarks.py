@@ -130,6 +130,19 @@ def test_situ_glu_benchmark_smoke():
     assert len(errs) == 3 and max(errs) < 1e-2, row
 
 
+def test_quantile_benchmark_smoke():
+  """`quantile.py --smoke --sweep` on the CPU (interpret mode): every table row bit-equal to XLA, and
+  every swept block shape runs and agrees."""
+  root = pathlib.Path(__file__).resolve().parent.parent
+  out = subprocess.run([sys.executable, str(root / "benchmarks" / "quantile.py"), "--smoke", "--sweep"],
+                       capture_output=True, text=True, timeout=300, cwd=root)
+  assert out.returncode == 0, out.stderr[-2000:]
+  rows = [line for line in out.stdout.splitlines() if line.startswith("| [300, 24] |")]
+  assert len(rows) == 4 and all(row.endswith("| True |") for row in rows), out.stdout
+  swept = [line for line in out.stdout.splitlines() if line.startswith(("  threshold", "  margins"))]
+  assert swept and all(line.endswith("equal True") for line in swept), out.stdout
+
+
 def test_publish_writes_the_section_with_its_provenance(tmp_path, monkeypatch, capsys):
   from benchmarks.report import provenance, publish
 

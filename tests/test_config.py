@@ -41,6 +41,8 @@ def _with(**overrides):
     (dict(model__moe__top_k=9), r"top_k=9 must be in \[1, num_experts=8\]"),
     (dict(model__moe__balance="magic"), r"balance='magic' not in"),
     (dict(model__moe__grouped_matmul="triton"), r"grouped_matmul='triton' not in"),
+    (dict(model__moe__balance_implementation="cuda"),
+     r"model.moe.balance_implementation='cuda' not in \('auto', 'xla', 'pallas', 'interpret'\)"),
     (dict(model__mla__attention="flash"), r"mla.attention='flash' not in"),
     (dict(model__attnres__mode="sum"), r"attnres.mode='sum'"),
     (dict(model__num_dense_layers=9), r"num_dense_layers=9"),

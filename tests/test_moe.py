@@ -141,6 +141,22 @@ def test_sown_stats_and_bias_has_no_gradient(setup):
   chex.assert_trees_all_close(apply({"params": params, "balance": balance}, x), y_sown)
 
 
+def test_balance_implementation_reaches_the_quantile_bias(setup):
+  """model.moe.balance_implementation picks quantile_bias's implementation: the kernels (interpret
+  mode) sow the same bits as XLA; a name the config check would refuse fails at the call."""
+  _, _, x, params, balance = setup
+  sown = {}
+  for impl in ("xla", "interpret"):
+    model = MoE(small_cfg(balance_implementation=impl))
+    _, stats = jax.jit(model.apply, static_argnames="mutable")({"params": params, "balance": balance}, x,
+                                                              mutable=("router",))
+    sown[impl] = np.asarray(stats["router"]["bias_next"])
+  np.testing.assert_array_equal(sown["interpret"].view(np.uint32), sown["xla"].view(np.uint32))
+  with pytest.raises(ValueError, match="unknown quantile balance implementation 'cuda'"):
+    MoE(small_cfg(balance_implementation="cuda")).apply({"params": params, "balance": balance}, x,
+                                                        mutable=("router",))
+
+
 def aux_reference(s_MN, chosen, seg_BT, k):
   """DeepSeek-V3 sequence-wise loss, averaged over documents, by explicit loops in numpy."""
   n = s_MN.shape[1]

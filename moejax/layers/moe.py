@@ -82,8 +82,10 @@ def _routed(w, x_BTD, segment_ids_BT, bias_E, *, cfg, stats_wanted: bool, axes: 
 
   if stats_wanted and e.balance == "quantile":
     with jax.named_scope("quantile_balance"):
+      impl = None if e.balance_implementation == "auto" else e.balance_implementation
       stats["bias_next"] = quantile_bias(s_ME, k, bias_E, e.balance_iters,
-                                         bins=e.histogram_bins if axes else None, axis_name=axes or None)
+                                         bins=e.histogram_bins if axes else None, axis_name=axes or None,
+                                         implementation=impl)
   if stats_wanted and e.balance == "aux":
     total, docs = sequence_aux_loss_terms(s_ME, idx_MK, segment_ids_BT, k)
     stats["aux_loss"] = e.aux_loss_weight * reduce(total) / reduce(docs)
