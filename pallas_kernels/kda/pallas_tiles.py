@@ -130,8 +130,8 @@ def _to_anchor(G, Ga, t, C):
   return jnp.exp(jnp.where(_iota((C, 1), 0) >= t * TILE, G - Ga[None, :], -jnp.inf))
 
 
-def score_strips(q: Chunk | None, k: Chunk, g: Chunk, prec: Precision):
-  """Unmasked S_qk, S_kk by 16-row strips [16,C] (S_qk skipped when q is None); g: the G operand."""
+def score_strips(q: Chunk, k: Chunk, g: Chunk, prec: Precision):
+  """Unmasked S_qk, S_kk by 16-row strips [16,C]; g: the G operand."""
   C = k.full(0).shape[0]
   P = C // TILE
   zero = jnp.zeros((TILE, C), jnp.float32)
@@ -145,8 +145,7 @@ def score_strips(q: Chunk | None, k: Chunk, g: Chunk, prec: Precision):
       kc = kf * _from_anchor(G, Ga, p, C)
       Erow = jnp.exp(g.tile(p, i) - Ga[None, :])
       Skk[p] = Skk[p] + dot_nt(_f32(k.tile(p, i)) * Erow, kc, prec.big)
-      if q is not None:
-        Sqk[p] = Sqk[p] + dot_nt(_f32(q.tile(p, i)) * Erow, kc, prec.big)
+      Sqk[p] = Sqk[p] + dot_nt(_f32(q.tile(p, i)) * Erow, kc, prec.big)
     return tuple(Sqk), tuple(Skk)
 
   return _loop(k.n, body, ((zero,) * P, (zero,) * P))
