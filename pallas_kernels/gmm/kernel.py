@@ -18,6 +18,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.gmm.schedule import group_bounds, largest_first, num_visits, row_tile_visits
 from pallas_kernels.gmm.tiling import Tile
+from pallas_kernels.triton_masks import load, mask_and
 
 _F32 = jnp.float32
 # (contract lhs dim, contract rhs dim) for lax.dot_general.
@@ -29,19 +30,6 @@ _TN = (((0,), (0,)), ((), ()))
 def _precision(dtype):
   # Triton reads DEFAULT as tf32 for float32 inputs; float32 callers expect float32 products.
   return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-
-
-def _mask_and(*masks):
-  masks = [mk for mk in masks if mk is not None]
-  if not masks:
-    return None
-  return functools.reduce(jnp.logical_and, masks)
-
-
-def _load(ref, mask):
-  if mask is None:
-    return ref[...]
-  return pltriton.load(ref, mask=mask, other=0)
 
 
 def _gmm_kernel(group_ref, tile_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref, *, tile: Tile, m, kc, n,
@@ -57,7 +45,7 @@ def _gmm_kernel(group_ref, tile_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref, 
   # Static checks keep the masks out of the common, evenly divisible case.
   row_in = (rows < m)[:, None] if m % bm else None
   col_in = (cols < n)[None, :] if n % bn else None
-  out_mask = _mask_and(((rows >= lo) & (rows < hi))[:, None], col_in)
+  out_mask = mask_and(((rows >= lo) & (rows < hi))[:, None], col_in)
   out_at = out_ref.at[pl.ds(row0, bm), pl.ds(j * bn, bn)]
 
   @pl.when(g < num_groups)
@@ -65,16 +53,16 @@ def _gmm_kernel(group_ref, tile_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref, 
     def body(kk, acc):
       ks = kk * bk + jnp.arange(bk)
       k_in = ks < kc if kc % bk else None
-      a = _load(lhs_ref.at[pl.ds(row0, bm), pl.ds(kk * bk, bk)],
-                _mask_and(row_in, None if k_in is None else k_in[None, :]))
+      a = load(lhs_ref.at[pl.ds(row0, bm), pl.ds(kk * bk, bk)],
+                mask_and(row_in, None if k_in is None else k_in[None, :]))
       if transpose_rhs:
-        b = _load(rhs_ref.at[g, pl.ds(j * bn, bn), pl.ds(kk * bk, bk)],
-                  _mask_and(None if col_in is None else (cols < n)[:, None],
+        b = load(rhs_ref.at[g, pl.ds(j * bn, bn), pl.ds(kk * bk, bk)],
+                  mask_and(None if col_in is None else (cols < n)[:, None],
                             None if k_in is None else k_in[None, :]))
         dims = _NT
       else:
-        b = _load(rhs_ref.at[g, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)],
-                  _mask_and(None if k_in is None else k_in[:, None], col_in))
+        b = load(rhs_ref.at[g, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)],
+                  mask_and(None if k_in is None else k_in[:, None], col_in))
         dims = _NN
       return acc + lax.dot_general(a, b, dims, precision=precision, preferred_element_type=_F32)
 
@@ -127,13 +115,13 @@ def _tgmm_kernel(order_ref, start_ref, end_ref, lhs_ref, dy_ref, out_ref, *, til
     r0 = start + i * bm
     row_in = (r0 + jnp.arange(bm) < end)[:, None]
     # Both operands are masked: rows of the neighbouring groups may hold anything, inf included.
-    a = pltriton.load(lhs_ref.at[pl.ds(r0, bm), pl.ds(kt * bk, bk)], mask=_mask_and(row_in, k_in), other=0)
-    d = pltriton.load(dy_ref.at[pl.ds(r0, bm), pl.ds(nt * bn, bn)], mask=_mask_and(row_in, n_in), other=0)
+    a = pltriton.load(lhs_ref.at[pl.ds(r0, bm), pl.ds(kt * bk, bk)], mask=mask_and(row_in, k_in), other=0)
+    d = pltriton.load(dy_ref.at[pl.ds(r0, bm), pl.ds(nt * bn, bn)], mask=mask_and(row_in, n_in), other=0)
     return acc + lax.dot_general(a, d, _TN, precision=precision, preferred_element_type=_F32)
 
   # Empty groups run no iteration and store zeros, as the gradient of an unused expert must be.
   acc = lax.fori_loop(0, (end - start + bm - 1) // bm, body, jnp.zeros((bk, bn), _F32))
-  out_mask = _mask_and(None if k_in is None else (ks < k)[:, None], n_in)
+  out_mask = mask_and(None if k_in is None else (ks < k)[:, None], n_in)
   out_at = out_ref.at[g, pl.ds(kt * bk, bk), pl.ds(nt * bn, bn)]
   pltriton.store(out_at, acc.astype(out_ref.dtype), mask=out_mask)
 

@@ -2,6 +2,8 @@
 
 import dataclasses
 
+from pallas_kernels.triton_masks import next_pow2
+
 
 @dataclasses.dataclass(frozen=True)
 class Tile:
@@ -30,7 +32,7 @@ class Tile:
 
   def fitted(self, m: int, k: int, n: int) -> "Tile":
     """This tile with each size cut down to the next power of two >= the dimension (and >= 16)."""
-    fit = lambda b, d: min(b, max(16, _next_pow2(d)))
+    fit = lambda b, d: min(b, max(16, next_pow2(d)))
     return dataclasses.replace(self, bm=fit(self.bm, m), bk=fit(self.bk, k), bn=fit(self.bn, n))
 
 
@@ -65,6 +67,3 @@ def resolve_tiling(tiling) -> Tiling:
     return tiling
   raise ValueError(f"tiling must be None, a Tile or a Tiling, got {tiling!r}")
 
-
-def _next_pow2(d: int) -> int:
-  return 1 << max(0, d - 1).bit_length()

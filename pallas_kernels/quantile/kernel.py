@@ -35,15 +35,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.triton_masks import load, mask_and, next_pow2, store
+
 _INT_MIN = -(1 << 31)
 
 
 def _pow2(v) -> bool:
   return not isinstance(v, bool) and isinstance(v, int) and v >= 1 and not v & (v - 1)
-
-
-def next_pow2(n: int) -> int:
-  return 1 << max(n - 1, 0).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,25 +97,6 @@ def _params(warps: int, stages: int):
   return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 
 
-def _load(ref, mask, other):
-  if mask is None:
-    return ref[...]
-  return pltriton.load(ref, mask=mask, other=other)
-
-
-def _store(ref, x, mask):
-  if mask is None:
-    ref[...] = x
-  else:
-    pltriton.store(ref, x, mask=mask)
-
-
-def _and(a, b):
-  if a is None or b is None:
-    return b if a is None else a
-  return a & b
-
-
 def _signed_key(x):
   """int32 keys of float32 x in lax.top_k's total order; the map is its own inverse on the bits."""
   bits = lax.bitcast_convert_type(x, jnp.int32)
@@ -133,9 +112,9 @@ def _margins_kernel(s_ref, b_ref, *out_refs, k, m, n, bm, n_pad, write_margins, 
   # Static checks keep the masks out of the evenly divisible case.
   row_in = (row0 + jnp.arange(bm) < m) if m % bm else None
   col_in = (jnp.arange(n_pad) < n) if n < n_pad else None
-  mask = _and(None if row_in is None else row_in[:, None], None if col_in is None else col_in[None, :])
-  s = _load(s_ref.at[pl.ds(row0, bm), pl.ds(0, n_pad)], mask, 0.0)
-  v = s + _load(b_ref.at[pl.ds(0, n_pad)], col_in, 0.0)[None, :]
+  mask = mask_and(None if row_in is None else row_in[:, None], None if col_in is None else col_in[None, :])
+  s = load(s_ref.at[pl.ds(row0, bm), pl.ds(0, n_pad)], mask, 0.0)
+  v = s + load(b_ref.at[pl.ds(0, n_pad)], col_in, 0.0)[None, :]
   key = _signed_key(v)
   if col_in is not None:  # padded experts sit below every real one (an equal -NaN still counts right)
     key = jnp.where(col_in[None, :], key, _INT_MIN)
@@ -157,12 +136,13 @@ def _margins_kernel(s_ref, b_ref, *out_refs, k, m, n, bm, n_pad, write_margins, 
   c = s - jnp.where(v >= kth_v, nxt_v, kth_v)
   refs = list(out_refs)
   if write_margins:
-    _store(refs.pop(0).at[pl.ds(row0, bm), pl.ds(0, n_pad)], c, mask)
+    store(refs.pop(0).at[pl.ds(row0, bm), pl.ds(0, n_pad)], c, mask)
   if write_keys:
     # reference.ordered_key: the signed key with its top bit flipped, unsigned.
     ukey = lax.bitcast_convert_type(_signed_key(c) ^ _INT_MIN, jnp.uint32)
-    mask_t = _and(None if col_in is None else col_in[:, None], None if row_in is None else row_in[None, :])
-    _store(refs.pop(0).at[pl.ds(0, n_pad), pl.ds(row0, bm)], ukey.T, mask_t)
+    mask_t = mask_and(None if col_in is None else col_in[:, None],
+                      None if row_in is None else row_in[None, :])
+    store(refs.pop(0).at[pl.ds(0, n_pad), pl.ds(row0, bm)], ukey.T, mask_t)
 
 
 def margins_pallas(scores_MN, bias_N, k: int, *, blocks: Blocks, write_margins: bool = True,
@@ -188,7 +168,7 @@ def _threshold_kernel(key_ref, t_ref, *, m, q, bits, bm, per_candidate):
 
   def keys(i):
     mask = (i * bm + jnp.arange(bm) < m) if m % bm else None
-    return _load(key_ref.at[j, pl.ds(i * bm, bm)], mask, 0)
+    return load(key_ref.at[j, pl.ds(i * bm, bm)], mask, 0)
 
   # A column that fits one block is loaded once and stays in registers for every pass; a longer one
   # is streamed from L2 once per pass.
