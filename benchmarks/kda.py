@@ -323,14 +323,12 @@ def sweep(args):
       op_fwd, op_fb = kda_fns("pallas", Config(), chunk=C)
       report(f"B={B} T={T} C={C} whole op forward (default config)", op_fwd, q, k, v, g, beta)
       report(f"B={B} T={T} C={C} whole op forward + backward", op_fb, q, k, v, g, beta, do)
-    prep = lambda block, tuning, C=C: jax.jit(functools.partial(
+    prep = lambda block, tuning, keep_solve=False, C=C: jax.jit(functools.partial(
         pallas_prep.prep_forward, chunk=C, block=min(block, D), scale=D**-0.5, prec=prec, store_dtype=bf,
-        tuning=tuning, **kw))
+        tuning=tuning, keep_solve=keep_solve, **kw))
     from pallas_kernels.kda.pallas_op import _cumsum_in_chunks
     G = _cumsum_in_chunks(g, C)
-    W, U, qg, kd, Aqk, sdec, A, Linv = jax.jit(functools.partial(
-        pallas_prep.prep_forward, chunk=C, block=min(64, D), scale=D**-0.5, prec=prec, store_dtype=bf,
-        tuning=Tuning(4, 1), keep_solve=True, **kw))(q, k, v, G, beta, doc)
+    W, U, qg, kd, Aqk, sdec, A, Linv = prep(64, Tuning(4, 1), keep_solve=True)(q, k, v, G, beta, doc)
     S0 = jnp.zeros((B, H, D, D), jnp.float32)
     if T == SHAPES[0][1]:
       for block, nw, *ns in args.sweep_prep:

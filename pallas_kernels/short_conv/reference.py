@@ -74,8 +74,13 @@ def short_conv_vjp(dy_BTC, x_BTC, w_WC, doc_BT=None):
   """
   W = w_WC.shape[0]
   T = x_BTC.shape[1]
-  dy32, x32, w32 = (a.astype(jnp.float32) for a in (dy_BTC, x_BTC, w_WC))
-  masked = lambda lag, a: a if doc_BT is None else jnp.where(_same_document(doc_BT, lag, x_BTC.ndim), a, 0.0)
+  dy32, w32 = dy_BTC.astype(jnp.float32), w_WC.astype(jnp.float32)
+
+  def masker(doc):
+    """(lag, a) -> a where t - lag is in t's document, else 0."""
+    return lambda lag, a: a if doc is None else jnp.where(_same_document(doc, lag, x_BTC.ndim), a, 0.0)
+
+  masked = masker(doc_BT)
   dx = jnp.zeros_like(dy32)
   for lag in range(min(W, T)):
     dx = dx + _shift_left(masked(lag, dy32), lag, 0.0) * w32[W - 1 - lag]
@@ -86,7 +91,7 @@ def short_conv_vjp(dy_BTC, x_BTC, w_WC, doc_BT=None):
   # shared masks still merged them: two such fusions of 0.85 ms per layer.
   dy_b, x_b, doc_b = jax.lax.optimization_barrier((dy_BTC, x_BTC, doc_BT))
   dy32, x32 = dy_b.astype(jnp.float32), x_b.astype(jnp.float32)
-  masked = lambda lag, a: a if doc_b is None else jnp.where(_same_document(doc_b, lag, x_BTC.ndim), a, 0.0)
+  masked = masker(doc_b)
   dw = [jnp.zeros(w_WC.shape[1:], jnp.float32)] * W
   for lag in range(min(W, T)):
     # dw masks the product and dx masks dy alone, so the two share no masked copy of dy: a shared
