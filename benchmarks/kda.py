@@ -252,8 +252,10 @@ def stress_1m(fns, heads=None):
 
 
 def stress_line(heads, chunk, finite):
-  return (f"T=1M bf16, every gate at -5 (B=1 H={heads or H} D={D}, chunk {chunk}), forward and backward "
-          f"finite: {finite}")
+  what = f"T=1M bf16, every gate at -5 (B=1 H={heads or H} D={D}, chunk {chunk})"
+  if finite is None:
+    return f"{what}: not run in this call (--no-stress; `--stress-only` runs it alone)"
+  return f"{what}, forward and backward finite: {finite}"
 
 
 def _finite(x, slab=1 << 16):
