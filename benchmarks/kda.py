@@ -328,15 +328,13 @@ def sweep(args):
     prep = lambda block, tuning, keep_solve=False, C=C: jax.jit(functools.partial(
         pallas_prep.prep_forward, chunk=C, block=min(block, D), scale=D**-0.5, prec=prec, store_dtype=bf,
         tuning=tuning, keep_solve=keep_solve, **kw))
-    from pallas_kernels.kda.pallas_op import _cumsum_in_chunks
-    G = _cumsum_in_chunks(g, C)
-    W, U, qg, kd, Aqk, sdec, A, Linv = prep(64, Tuning(4, 1), keep_solve=True)(q, k, v, G, beta, doc)
+    W, U, qg, kd, Aqk, sdec, A, Linv = prep(64, Tuning(4, 1), keep_solve=True)(q, k, v, g, beta, doc)
     S0 = jnp.zeros((B, H, D, D), jnp.float32)
     if T == SHAPES[0][1]:
       for block, nw, *ns in args.sweep_prep:
         ns = ns[0] if ns else 1
         report(f"B={B} T={T} C={C} prep_fwd block={block} warps={nw} stages={ns}",
-               prep(block, Tuning(nw, ns)), q, k, v, G, beta, doc)
+               prep(block, Tuning(nw, ns)), q, k, v, g, beta, doc)
     for bv, nw, ns in args.sweep_scan:
       tuning, bv = Tuning(nw, ns), min(bv, D)
       fwd = jax.jit(lambda *a, bv=bv, tuning=tuning: pallas_scan.scan_forward(
@@ -362,8 +360,8 @@ def sweep(args):
     for block, nw, *ns in args.sweep_prep:
       ns = ns[0] if ns else 1
       pb = jax.jit(functools.partial(pallas_prep.prep_backward, chunk=C, block=min(block, D), scale=D**-0.5,
-                                     prec=prec, tuning=Tuning(nw, ns), g_dtype=g.dtype, **kw))
-      report(f"B={B} T={T} C={C} prep_bwd block={block} warps={nw} stages={ns}", pb, q, k, v, G, beta, doc,
+                                     prec=prec, tuning=Tuning(nw, ns), **kw))
+      report(f"B={B} T={T} C={C} prep_bwd block={block} warps={nw} stages={ns}", pb, q, k, v, g, beta, doc,
              A, Linv, dW, dVp, dqg, dkd, dAqk, dsdec)
     del states, dSn, dVp, Vp
 

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from references import doc_lengths, ids_from_lengths
 
 from pallas_kernels.kda import chunk_kda
+from pallas_kernels.kda import pallas_tiles as tiles
 from pallas_kernels.kda.inputs import resets
 from pallas_kernels.kda.pallas_op import Config, chunk_kda_pallas
 
@@ -139,6 +140,39 @@ def test_bf16_with_every_gate_at_the_bound():
   for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     assert np.all(np.isfinite(np.asarray(a, np.float32)))
     assert rel_err(a, e) <= 1e-2
+
+
+def test_bf16_data_with_float32_gates_as_the_model_feeds_them():
+  """The KDA layer hands bf16 q, k, v, beta with float32 gates (packed documents, state in and out):
+  every output and gradient within 1e-2 of the float32 recurrence, dg returned in float32."""
+  B, T, H, K, V = 2, 77, 2, 32, 16
+  qkvgb, S0, cot = make_inputs(5, B, T, H, K, V)
+  mixed = tuple(x if i == 3 else x.astype(jnp.bfloat16) for i, x in enumerate(qkvgb))
+  segment_ids = jnp.asarray(np.stack([ids_from_lengths([30, 47]), ids_from_lengths([77])]))
+  got = value_and_vjp(mixed, S0, segment_ids, (cot[0].astype(jnp.bfloat16), cot[1]), impl="kernel", C=32,
+                      config=Config(block=16))
+  f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+  want = value_and_vjp(f32(mixed), S0, segment_ids, cot, impl="recurrent", C=32)
+  assert got[1][0][3].dtype == jnp.float32
+  for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert rel_err(a, e) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_in_kernel_gate_cumsum_is_exact_to_float32_rounding(dtype):
+  """gate_cumsum's dots (float32 gates split into three bf16 parts) against float64 prefix sums: whole
+  chunk, every 16-row tile and single rows, gates down to the bound."""
+  rng = np.random.default_rng(0)
+  g = jnp.asarray(rng.uniform(LB, 0.0, size=(64, 32)), dtype)
+  g = g.at[::7].set(LB)
+  want = np.cumsum(np.asarray(g, np.float64), axis=0)
+  G = tiles.gate_cumsum(1, lambda i: g)
+  tol = 4 * np.finfo(np.float32).eps * np.abs(want).max()
+  np.testing.assert_allclose(np.asarray(G.full(0)), want, rtol=0, atol=tol)
+  for p in range(4):
+    np.testing.assert_allclose(np.asarray(G.tile(p, 0)), want[16 * p:16 * (p + 1)], rtol=0, atol=tol)
+  for r in (0, 15, 16, 63):
+    np.testing.assert_allclose(np.asarray(G.row(r, 0)), want[r], rtol=0, atol=tol)
 
 
 def test_bad_inputs_raise_clear_errors():

@@ -82,19 +82,12 @@ class _Static:
     return min(self.cfg.block, *widths)
 
 
-def _cumsum_in_chunks(g, C):
-  """float32 G: the inclusive cumsum of g inside each chunk of C rows (by XLA, once per pass)."""
-  B, T, H, K = g.shape
-  return jnp.cumsum(g.astype(jnp.float32).reshape(B, T // C, C, H, K), axis=2).reshape(B, T, H, K)
-
-
 def _forward(st: _Static, q, k, v, g, beta, S0, doc, keep: bool):
   K, V = q.shape[-1], v.shape[-1]
-  W, U, qg, kd, Aqk, sdec, *solve = prep_forward(q, k, v, _cumsum_in_chunks(g, st.chunk), beta, doc,
-                                                 chunk=st.chunk, block=st.block(K, V), scale=st.scale,
-                                                 prec=st.prec, store_dtype=st.store_dtype,
-                                                 interpret=st.interpret, tuning=st.cfg.prep_fwd,
-                                                 keep_solve=keep)
+  W, U, qg, kd, Aqk, sdec, *solve = prep_forward(q, k, v, g, beta, doc, chunk=st.chunk,
+                                                 block=st.block(K, V), scale=st.scale, prec=st.prec,
+                                                 store_dtype=st.store_dtype, interpret=st.interpret,
+                                                 tuning=st.cfg.prep_fwd, keep_solve=keep)
   o, S_fin, states, Vp = scan_forward(W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype,
                                       block_v=st.cfg.block_v(st.cfg.block_v_fwd, q.shape[0], q.shape[2], V),
                                       big=st.prec.big,
@@ -125,9 +118,8 @@ def _kda_bwd(st, res, cts):
                                           prec=st.prec,
                                           store_dtype=st.store_dtype, interpret=st.interpret,
                                           tuning=st.cfg.state_grads)
-  dq, dk, dv, dg, dbeta = prep_backward(q, k, v, _cumsum_in_chunks(g, st.chunk), beta, doc, A, Linv, dW, dVp,
-                                        dqg, dkd, dAqk, dsdec, g_dtype=g.dtype, chunk=st.chunk,
-                                        block=st.block(K, V), scale=st.scale, prec=st.prec,
+  dq, dk, dv, dg, dbeta = prep_backward(q, k, v, g, beta, doc, A, Linv, dW, dVp, dqg, dkd, dAqk, dsdec,
+                                        chunk=st.chunk, block=st.block(K, V), scale=st.scale, prec=st.prec,
                                         interpret=st.interpret, tuning=st.cfg.prep_bwd)
   return dq, dk, dv, dg, dbeta, dS0, None
 

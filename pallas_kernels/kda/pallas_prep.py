@@ -6,7 +6,8 @@ state_grads:   states, their cotangents, dO, dV', V' -> dW, dqg, dkd, dA_qk, dsd
 prep_backward: those cotangents and the solve -> dq, dk, dv, dg, dbeta (pallas_tiles.prep_vjp).
 
 Layouts: q, k [B,T,H,K], v [B,T,H,V], beta [B,T,H] as the caller gives them (T padded to a whole number
-of chunks), G [B,T,H,K] float32 the in-chunk cumsum of g, row codes [B,T]; per-chunk results [B,H,T,*]
+of chunks), the log-decays g [B,T,H,K] (bf16 or float32; the kernels take its in-chunk cumsum G
+themselves), row codes [B,T]; per-chunk results [B,H,T,*]
 so the sequential pass reads contiguous tiles;
 sdec [B,H,N,K]; states [B,H,N,K,V]. Extra [B,H,T,C] float32 outputs serve as the programs' scratch.
 """
@@ -92,15 +93,16 @@ class _Program:
         barrier=lambda: barrier(self.interpret))
 
   def inputs(self, q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref):
-    return (self.btx(q_ref), self.btx(k_ref), self.btx(v_ref), self.btx(g_ref), self.bt_rows(beta_ref),
-            self.bt_rows(code_ref, with_head=False))
+    g = self.btx(g_ref)
+    return (self.btx(q_ref), self.btx(k_ref), self.btx(v_ref), tiles.gate_cumsum(g.n, g.full),
+            self.bt_rows(beta_ref), self.bt_rows(code_ref, with_head=False))
 
 
 def _scratch_shapes(B, H, T, C, n):
   return tuple(jax.ShapeDtypeStruct((B, H, T, C), jnp.float32) for _ in range(n))
 
 
-def prep_forward(q, k, v, G, beta, code, *, chunk: int, block: int, scale: float, prec: tiles.Precision,
+def prep_forward(q, k, v, g, beta, code, *, chunk: int, block: int, scale: float, prec: tiles.Precision,
                  store_dtype, interpret: bool, tuning: Tuning, keep_solve: bool = False):
   """Returns W, U, qg, kd, Aqk, sdec: [B,H,T,K|V|K|K|C] in store_dtype and [B,H,N,K] float32; with
   keep_solve also the solve that prep_backward needs: strict S_kk and Linv, [B,H,T,C] float32 each."""
@@ -130,7 +132,7 @@ def prep_forward(q, k, v, G, beta, code, *, chunk: int, block: int, scale: float
                jax.ShapeDtypeStruct((B, H, N, K), jnp.float32))
   out_shape += _scratch_shapes(B, H, T, C, 3 if keep_solve else 2)
   out = launch(kernel, grid=(N, H, B), out_shape=out_shape, interpret=interpret, tuning=tuning,
-               name="kda_prep_fwd")(q, k, v, G, beta, code)
+               name="kda_prep_fwd")(q, k, v, g, beta, code)
   return out[:6] + ((out[6], out[8]) if keep_solve else ())
 
 
@@ -165,9 +167,9 @@ def state_grads(states, dS_next, dO, dVp, Vp, *, block: int, prec: tiles.Precisi
                 name="kda_state_grads")(states, dS_next, dO, dVp, Vp)
 
 
-def prep_backward(q, k, v, G, beta, code, A, Linv, dW, dU, dqg, dkd, dAqk, dsdec, *, g_dtype, chunk: int,
+def prep_backward(q, k, v, g, beta, code, A, Linv, dW, dU, dqg, dkd, dAqk, dsdec, *, chunk: int,
                   block: int, scale: float, prec: tiles.Precision, interpret: bool, tuning: Tuning):
-  """Returns dq, dk, dv, dg, dbeta in the layouts and dtypes of q, k, v, G, beta (dg in g_dtype).
+  """Returns dq, dk, dv, dg, dbeta in the layouts and dtypes of q, k, v, g, beta.
 
   A, Linv [B,H,T,C]: the forward pass's solve (prep_forward with keep_solve); reading them costs less
   than redoing the scores and the solve here (H200, B=2 T=8192 H=16: see BENCHMARKS.md "KDA kernel").
@@ -194,6 +196,6 @@ def prep_backward(q, k, v, G, beta, code, A, Linv, dW, dU, dqg, dkd, dAqk, dsdec
                    put)
 
   like = lambda x, dtype=None: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype)
-  out_shape = (like(q), like(k), like(v), like(G, g_dtype), like(beta)) + _scratch_shapes(B, H, T, C, 2)
+  out_shape = (like(q), like(k), like(v), like(g), like(beta)) + _scratch_shapes(B, H, T, C, 2)
   return launch(kernel, grid=(N, H, B), out_shape=out_shape, interpret=interpret, tuning=tuning,
-                name="kda_prep_bwd")(q, k, v, G, beta, code, A, Linv, dW, dU, dqg, dkd, dAqk, dsdec)[:5]
+                name="kda_prep_bwd")(q, k, v, g, beta, code, A, Linv, dW, dU, dqg, dkd, dAqk, dsdec)[:5]

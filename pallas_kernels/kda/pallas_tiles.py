@@ -1,11 +1,11 @@
 """Per-chunk KDA math for the Pallas kernels (DESIGN §2 "Chunked form").
 
 One chunk of C = P * 16 rows: q, k [C,K], v [C,V], b [C], G [C,K] the in-chunk inclusive cumsum of the
-log-decays g (float32, computed outside: a row of it is a load, where a scan or a masked reduction
-inside the kernel costs a trip through shared memory), and a row code [C] int32 = 2 * doc + reset,
-doc the index of the row's document inside the chunk (0 = the document the incoming state belongs to)
-and reset whether a document starts at that row. Operands are read by column block i, either whole
-(`full(i)` -> [C,BK]) or as a 16-row tile (`tile(p, i)` -> [16,BK]); column blocks are walked by loops.
+log-decays g (float32, made from g inside the kernels by `gate_cumsum`), and a row code [C] int32 =
+2 * doc + reset, doc the index of the row's document inside the chunk (0 = the document the incoming
+state belongs to) and reset whether a document starts at that row. Operands are read by column block
+i, either whole (`full(i)` -> [C,BK]) or as a 16-row tile (`tile(p, i)` -> [16,BK]); column blocks are
+walked by loops.
 Triton values cannot be sliced or concatenated, so [C,C] work matrices that are built by 16-row strips
 and used whole (or by column strips) go through a global-memory `Scratch` of the same program, with a
 barrier between writing and reading.
@@ -128,6 +128,43 @@ def _from_anchor(G, Ga, p, C):
 def _to_anchor(G, Ga, t, C):
   """e^{G_i - G_a} for column strip t's anchor a (its first row) and rows i from a on, else 0."""
   return jnp.exp(jnp.where(_iota((C, 1), 0) >= t * TILE, G - Ga[None, :], -jnp.inf))
+
+
+def _prefix_sums(lower, g):
+  """lower @ g for a 0/1 matrix `lower`, float32 and exact but for the order of the additions: a 0/1
+  matrix and bf16 values are exact bf16 dot operands, and float32 g is the sum of three bf16 parts."""
+  if g.dtype == jnp.bfloat16:
+    return dot(lower, g, "bf16")
+  g = _f32(g)
+  hi = g.astype(jnp.bfloat16)
+  rest = g - _f32(hi)
+  mid = rest.astype(jnp.bfloat16)
+  lo = (rest - _f32(mid)).astype(jnp.bfloat16)
+  return dot(lower, hi, "bf16") + dot(lower, mid, "bf16") + dot(lower, lo, "bf16")
+
+
+def gate_cumsum(n: int, raw: Callable) -> Chunk:
+  """The G operand from the gates: raw(i) -> g [C,BK] of column block i (bf16 or float32).
+
+  Prefix sums by dots with lower-triangular 0/1 matrices, so that no [B,T,H,K] float32 G is written
+  and read between the kernels (XLA's cumsum did that once per pass); a single row is a masked column
+  sum."""
+  def lower(rows, C, first):
+    return (first + _iota((rows, C), 0) >= _iota((rows, C), 1)).astype(jnp.bfloat16)
+
+  def full(i):
+    g = raw(i)
+    return _prefix_sums(lower(g.shape[0], g.shape[0], 0), g)
+
+  def tile(p, i):
+    g = raw(i)
+    return _prefix_sums(lower(TILE, g.shape[0], p * TILE), g)
+
+  def row(r, i):
+    g = _f32(raw(i))
+    return _colsum(jnp.where(_iota((g.shape[0], 1), 0) <= r, g, 0.0))
+
+  return Chunk(n, full, tile, row)
 
 
 def score_strips(q: Chunk, k: Chunk, g: Chunk, prec: Precision):
