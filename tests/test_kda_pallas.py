@@ -70,9 +70,9 @@ def rel_err(a, e):
 # kernel (block 16), V blocks of the state passes narrower than V, scale given, state from zero.
 CASES = {
     "T50-C16-docs": dict(T=50, C=16, H=2, K=16, V=16, docs=[5, 11, 16, 1, 17], scale=None,
-                         config=Config(block=16, block_v_fwd=16, block_v_bwd=16)),
+                         config=Config(block=16, block_fwd=16, block_v_fwd=16, block_v_bwd=16)),
     "T131-C32-padded-blocks": dict(T=131, C=32, H=1, K=40, V=24, docs=[32, 1, 40, 58], scale=0.3,
-                                   config=Config(block=16, block_v_fwd=16, block_v_bwd=32)),
+                                   config=Config(block=16, block_fwd=16, block_v_fwd=16, block_v_bwd=32)),
     "T17-C64-api": dict(T=17, C=64, H=2, K=8, V=4, docs=None, scale=None, config="api"),
 }
 
@@ -100,7 +100,7 @@ def test_random_document_layouts(lengths, seed):
   doc = doc_lengths(lengths, T)
   qkvgb, S0, cot = make_inputs(seed, 1, T, 1, 16, 16)
   seg = jnp.asarray(ids_from_lengths(doc)[None], jnp.int32)
-  got = value_and_vjp(qkvgb, S0, seg, cot, impl="kernel", C=C, config=Config(block=16))
+  got = value_and_vjp(qkvgb, S0, seg, cot, impl="kernel", C=C, config=Config(block=16, block_fwd=16))
   want = value_and_vjp(qkvgb, S0, seg, cot, impl="recurrent", C=C)
   assert_close(got, want, rtol=1e-4)
 
@@ -115,7 +115,7 @@ def test_no_gradient_crosses_a_document_boundary():
   @jax.jit
   def grads(qkvgb, S0):
     def loss(qkvgb, S0):
-      o, S = run("kernel", qkvgb, S0, seg, C=32, config=Config(block=16))
+      o, S = run("kernel", qkvgb, S0, seg, C=32, config=Config(block=16, block_fwd=16))
       return jnp.sum(o[:, start:] ** 2) + jnp.sum(S**2)
     return jax.grad(loss, argnums=(0, 1))(qkvgb, S0)
 
@@ -133,7 +133,7 @@ def test_bf16_with_every_gate_at_the_bound():
   B, T, H, K, V = 1, 200, 2, 32, 32
   qkvgb, S0, cot = make_inputs(4, B, T, H, K, V, dtype=jnp.bfloat16, gate=LB)
   cot = (cot[0].astype(jnp.bfloat16), cot[1])
-  got = value_and_vjp(qkvgb, S0, None, cot, impl="kernel", C=32, config=Config(block=16))
+  got = value_and_vjp(qkvgb, S0, None, cot, impl="kernel", C=32, config=Config(block=16, block_fwd=16))
   f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
   want = value_and_vjp(f32(qkvgb), S0, None, f32(cot), impl="recurrent", C=32)
   assert got[0][0].dtype == jnp.bfloat16 and got[0][1].dtype == jnp.float32
@@ -150,7 +150,7 @@ def test_bf16_data_with_float32_gates_as_the_model_feeds_them():
   mixed = tuple(x if i == 3 else x.astype(jnp.bfloat16) for i, x in enumerate(qkvgb))
   segment_ids = jnp.asarray(np.stack([ids_from_lengths([30, 47]), ids_from_lengths([77])]))
   got = value_and_vjp(mixed, S0, segment_ids, (cot[0].astype(jnp.bfloat16), cot[1]), impl="kernel", C=32,
-                      config=Config(block=16))
+                      config=Config(block=16, block_fwd=16))
   f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
   want = value_and_vjp(f32(mixed), S0, segment_ids, cot, impl="recurrent", C=32)
   assert got[1][0][3].dtype == jnp.float32
@@ -160,19 +160,54 @@ def test_bf16_data_with_float32_gates_as_the_model_feeds_them():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_in_kernel_gate_cumsum_is_exact_to_float32_rounding(dtype):
-  """gate_cumsum's dots (float32 gates split into three bf16 parts) against float64 prefix sums: whole
-  chunk, every 16-row tile and single rows, gates down to the bound."""
+  """The kernels' G (float32 gates split into three bf16 parts for the dots) against float64 prefix
+  sums: whole chunk, every 16-row tile and single rows, gates down to the bound; a row equals its own
+  tile's row bit for bit."""
   rng = np.random.default_rng(0)
   g = jnp.asarray(rng.uniform(LB, 0.0, size=(64, 32)), dtype)
   g = g.at[::7].set(LB)
   want = np.cumsum(np.asarray(g, np.float64), axis=0)
-  G = tiles.gate_cumsum(1, lambda i: g)
+  G = tiles.gate_cumsum(tiles.Chunk(1, lambda i: g, None)).block(0)
   tol = 4 * np.finfo(np.float32).eps * np.abs(want).max()
-  np.testing.assert_allclose(np.asarray(G.full(0)), want, rtol=0, atol=tol)
+  np.testing.assert_allclose(np.asarray(G.full()), want, rtol=0, atol=tol)
   for p in range(4):
-    np.testing.assert_allclose(np.asarray(G.tile(p, 0)), want[16 * p:16 * (p + 1)], rtol=0, atol=tol)
+    np.testing.assert_allclose(np.asarray(G.tile(p)), want[16 * p:16 * (p + 1)], rtol=0, atol=tol)
   for r in (0, 15, 16, 63):
-    np.testing.assert_allclose(np.asarray(G.row(r, 0)), want[r], rtol=0, atol=tol)
+    np.testing.assert_array_equal(np.asarray(G.row(r)), np.asarray(G.tile(r // 16))[r % 16])
+    np.testing.assert_allclose(np.asarray(G.row(r)), want[r], rtol=0, atol=tol)
+
+
+def test_mosaic_state_pass_matches_triton_in_the_op():
+  """The op with the forward state pass on Mosaic GPU (interpret mode) against the same op on Triton and
+  the float32 recurrence: bf16 data, K=V=64, packed documents, state in and out, every gradient (the
+  backward pass reads the states and V' that the Mosaic pass keeps)."""
+  B, T, H, K, V = 1, 100, 1, 64, 64
+  qkvgb, S0, cot = make_inputs(6, B, T, H, K, V, dtype=jnp.bfloat16)
+  qkvgb = tuple(x.astype(jnp.float32) if i == 3 else x for i, x in enumerate(qkvgb))
+  cot = (cot[0].astype(jnp.bfloat16), cot[1])
+  segment_ids = jnp.asarray(ids_from_lengths([41, 59]))[None]
+  got = value_and_vjp(qkvgb, S0, segment_ids, cot, impl="kernel", C=32,
+                      config=Config(scan_fwd_lowering="mosaic"))
+  triton = value_and_vjp(qkvgb, S0, segment_ids, cot, impl="kernel", C=32,
+                         config=Config(scan_fwd_lowering="triton"))
+  f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+  want = value_and_vjp(f32(qkvgb), S0, segment_ids, f32(cot), impl="recurrent", C=32)
+  for a, t, e in zip(jax.tree.leaves(got), jax.tree.leaves(triton), jax.tree.leaves(want), strict=True):
+    assert rel_err(a, t) <= 2e-3
+    assert rel_err(a, e) <= 1e-2
+
+
+def test_state_pass_lowering_follows_what_mosaic_supports():
+  bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+  assert Config().scan_lowering(32, 128, 128, bf16) == "mosaic"
+  assert Config().scan_lowering(64, 128, 128, bf16) == "mosaic"
+  assert Config().scan_lowering(32, 128, 128, f32) == "triton"   # exact float32 products
+  assert Config().scan_lowering(32, 32, 32, bf16) == "triton"    # K below one wgmma tile
+  assert Config(scan_fwd_lowering="triton").scan_lowering(32, 128, 128, bf16) == "triton"
+  with pytest.raises(ValueError, match="scan_fwd_lowering='mosaic' cannot run here.*bf16"):
+    Config(scan_fwd_lowering="mosaic").scan_lowering(32, 128, 128, f32)
+  with pytest.raises(ValueError, match="scan_fwd_lowering must be"):
+    Config(scan_fwd_lowering="cuda")
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -202,8 +237,9 @@ def test_launch_parameters_follow_the_chunk_unless_set():
   """Unset launch parameters take the ones measured for the chunk size; set ones are kept."""
   from pallas_kernels.kda.pallas_backend import Tuning
   at_32, at_64 = Config().for_chunk(32), Config(prep_bwd=Tuning(8, 1)).for_chunk(64)
-  assert (at_32.prep_bwd, at_32.scan_fwd) == (Tuning(4, 2), Tuning(4, 3))
-  assert (at_64.prep_bwd, at_64.scan_fwd) == (Tuning(8, 1), Tuning(4, 2))
+  assert (at_32.prep_bwd, at_32.scan_fwd, at_32.block_fwd) == (Tuning(2, 1), Tuning(4, 3), 64)
+  assert (at_64.prep_bwd, at_64.scan_fwd, at_64.block_fwd) == (Tuning(8, 1), Tuning(4, 2), 32)
+  assert Config(block=16).for_chunk(64).block_fwd == 16 and Config(block_fwd=16).for_chunk(32).block_fwd == 16
   # Chunk 128 runs unpipelined: deeper pipelines overflow the H200's shared memory there.
   at_128 = Config().for_chunk(128)
   assert all(getattr(at_128, n).num_stages == 1

@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import limits
+from pallas_kernels.kda import limits, mosaic_scan
 from pallas_kernels.kda import pallas_tiles as tiles
 from pallas_kernels.kda.pallas_backend import Tuning
 from pallas_kernels.kda.pallas_prep import prep_backward, prep_forward, state_grads
@@ -24,7 +24,8 @@ from pallas_kernels.kda.pallas_scan import scan_backward, scan_forward
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Block sizes and launch parameters, set from the H200 measurements in BENCHMARKS.md."""
-  block: int = 32               # column block of the prep kernels (K and V)
+  block: int = 32               # column block of the backward prep kernel (K and V)
+  block_fwd: int | None = None  # and of the forward one (None: the measured default, see `for_chunk`)
   block_grads: int = 64         # and of the state-gradient kernel
   block_v_fwd: int | None = None  # V columns per program of the forward state pass (None: see block_v)
   block_v_bwd: int | None = None  # and of the backward one
@@ -34,12 +35,20 @@ class Config:
   prep_bwd: Tuning | None = None
   scan_fwd: Tuning | None = None
   scan_bwd: Tuning | None = None
+  # Lowering of the forward state pass: "triton", "mosaic" (mosaic_scan, wgmma), or None: Mosaic GPU
+  # where it applies (`scan_lowering`), else Triton. On the H200 (BENCHMARKS.md, "Pallas backend")
+  # the Mosaic scan took 0.272 ms against Triton's 0.389 at B=2 T=8192 H=16, chunk 32.
+  scan_fwd_lowering: str | None = None
+  mosaic_slots: int = 2         # chunks in flight in the Mosaic scan's TMA ring (2 and 3 timed alike)
 
   def __post_init__(self):
-    for name in ("block", "block_grads", "block_v_fwd", "block_v_bwd"):
+    for name in ("block", "block_fwd", "block_grads", "block_v_fwd", "block_v_bwd"):
       n = getattr(self, name)
       if n is not None and (not isinstance(n, int) or n < 16 or n & (n - 1)):
         raise ValueError(f"Config.{name} must be a power of two >= 16 (Triton tiles), got {n!r}")
+    if self.scan_fwd_lowering not in (None, "triton", "mosaic"):
+      raise ValueError(f"Config.scan_fwd_lowering must be None, 'triton' or 'mosaic', got "
+                       f"{self.scan_fwd_lowering!r}")
 
   def for_chunk(self, chunk: int) -> "Config":
     """This config with every unset launch parameter at the H200's best for `chunk` (BENCHMARKS.md,
@@ -47,10 +56,27 @@ class Config:
     2 warps against 0.599 at 4, prep_bwd 1.984 at 2 stages against 2.330, the scans 0.391 / 0.453 ms at
     3 stages against 0.557 / 0.573); chunks of 64 keep the settings measured at 64, where the deeper
     pipelines were not tried and need more shared memory. At 128 those asked for 284 KiB of shared
-    memory (the H200 has 227), so every kernel runs unpipelined there (correct on the H200, not timed)."""
+    memory (the H200 has 227), so every kernel runs unpipelined there (correct on the H200, not timed).
+    Session 15's sweep of the rewritten prep kernels at chunk 32 (in-kernel gate cumsum, block-wise
+    forward): prep_fwd 0.533 ms with 64-column blocks at 2 warps against 0.647 with 32, prep_bwd 1.190 ms
+    at 2 warps and 1 stage against 1.499 at 4 warps and 2; other chunks' forward blocks stay at `block`."""
     measured = _AT_32 if chunk <= 32 else _AT_64 if chunk <= 64 else _AT_128
+    measured = dict(measured, block_fwd=measured.get("block_fwd", self.block))
     return dataclasses.replace(self, **{name: getattr(self, name) or tuning
                                         for name, tuning in measured.items()})
+
+  def scan_lowering(self, chunk: int, K: int, V: int, store_dtype) -> str:
+    """The forward state pass's lowering for these shapes; raises if Mosaic was asked where it cannot run."""
+    why = mosaic_scan.unsupported(K, chunk, self.mosaic_block_v(V), V, store_dtype, self.mosaic_slots)
+    if self.scan_fwd_lowering == "mosaic" and why is not None:
+      raise ValueError(f"Config.scan_fwd_lowering='mosaic' cannot run here: {why}")
+    if self.scan_fwd_lowering is not None:
+      return self.scan_fwd_lowering
+    return "triton" if why is not None else "mosaic"
+
+  def mosaic_block_v(self, V: int) -> int:
+    """The Mosaic scan's V block: 32 columns (16 took 1.8x as long at B=2 T=8192 H=16, chunk 32)."""
+    return min(self.block_v_fwd or 32, V)
 
   def block_v(self, chosen, B: int, H: int, V: int) -> int:
     """The scans' V block: 32 columns per program unless that leaves fewer than 128 programs (the
@@ -60,8 +86,8 @@ class Config:
     return min(chosen, V)
 
 
-_AT_32 = dict(prep_fwd=Tuning(2, 1), state_grads=Tuning(4, 1), prep_bwd=Tuning(4, 2), scan_fwd=Tuning(4, 3),
-              scan_bwd=Tuning(4, 3))
+_AT_32 = dict(prep_fwd=Tuning(2, 1), block_fwd=64, state_grads=Tuning(4, 1), prep_bwd=Tuning(2, 1),
+              scan_fwd=Tuning(4, 3), scan_bwd=Tuning(4, 3))
 _AT_64 = dict(prep_fwd=Tuning(4, 1), state_grads=Tuning(4, 1), prep_bwd=Tuning(4, 1), scan_fwd=Tuning(4, 2),
               scan_bwd=Tuning(4, 2))
 _AT_128 = dict(prep_fwd=Tuning(4, 1), state_grads=Tuning(4, 1), prep_bwd=Tuning(4, 1), scan_fwd=Tuning(4, 1),
@@ -81,18 +107,26 @@ class _Static:
   def block(self, *widths):
     return min(self.cfg.block, *widths)
 
+  def block_fwd(self, *widths):
+    return min(self.cfg.block_fwd, *widths)
+
 
 def _forward(st: _Static, q, k, v, g, beta, S0, doc, keep: bool):
   K, V = q.shape[-1], v.shape[-1]
   W, U, qg, kd, Aqk, sdec, *solve = prep_forward(q, k, v, g, beta, doc, chunk=st.chunk,
-                                                 block=st.block(K, V), scale=st.scale, prec=st.prec,
+                                                 block=st.block_fwd(K, V), scale=st.scale, prec=st.prec,
                                                  store_dtype=st.store_dtype, interpret=st.interpret,
                                                  tuning=st.cfg.prep_fwd, keep_solve=keep)
-  o, S_fin, states, Vp = scan_forward(W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype,
-                                      block_v=st.cfg.block_v(st.cfg.block_v_fwd, q.shape[0], q.shape[2], V),
-                                      big=st.prec.big,
-                                      states_dtype=st.store_dtype if keep else None,
-                                      interpret=st.interpret, tuning=st.cfg.scan_fwd)
+  states_dtype = st.store_dtype if keep else None
+  if st.cfg.scan_lowering(st.chunk, K, V, st.store_dtype) == "mosaic":
+    o, S_fin, states, Vp = mosaic_scan.scan_forward_mosaic(
+        W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype, block_v=st.cfg.mosaic_block_v(V),
+        stages=st.cfg.mosaic_slots, states_dtype=states_dtype, interpret=st.interpret)
+  else:
+    o, S_fin, states, Vp = scan_forward(W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype,
+                                        block_v=st.cfg.block_v(st.cfg.block_v_fwd, q.shape[0], q.shape[2], V),
+                                        big=st.prec.big, states_dtype=states_dtype, interpret=st.interpret,
+                                        tuning=st.cfg.scan_fwd)
   return (o, S_fin), (q, k, v, g, beta, doc, W, qg, kd, Aqk, sdec, states, Vp, *solve)
 
 

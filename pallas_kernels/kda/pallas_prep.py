@@ -1,15 +1,15 @@
 """The chunk-parallel KDA kernels: one program per (chunk, head, batch row).
 
-prep_forward:  inputs -> W, U, qg, kd, A_qk, sdec for the state pass (pallas_tiles.prep), and for
+prep_forward:  inputs -> W, U, qg, kd, A_qk, sdec for the state pass (pallas_tiles_fwd.prep), and for
                training the solve (strict S_kk, Linv) for prep_backward.
 state_grads:   states, their cotangents, dO, dV', V' -> dW, dqg, dkd, dA_qk, dsdec (pallas_tiles.state_grads).
 prep_backward: those cotangents and the solve -> dq, dk, dv, dg, dbeta (pallas_tiles.prep_vjp).
 
 Layouts: q, k [B,T,H,K], v [B,T,H,V], beta [B,T,H] as the caller gives them (T padded to a whole number
 of chunks), the log-decays g [B,T,H,K] (bf16 or float32; the kernels take its in-chunk cumsum G
-themselves), row codes [B,T]; per-chunk results [B,H,T,*]
-so the sequential pass reads contiguous tiles;
-sdec [B,H,N,K]; states [B,H,N,K,V]. Extra [B,H,T,C] float32 outputs serve as the programs' scratch.
+themselves), row codes [B,T]; per-chunk results [B,H,T,*] so the sequential pass reads contiguous
+tiles; sdec [B,H,N,K]; states [B,H,N,K,V]. prep_backward's extra [B,H,T,C] float32 outputs serve as
+its programs' scratch.
 """
 
 import jax
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import pallas_tiles as tiles
+from pallas_kernels.kda import pallas_tiles_fwd as tiles_fwd
 from pallas_kernels.kda.pallas_backend import Tuning, barrier, launch
 
 TILE = tiles.TILE
@@ -39,8 +40,7 @@ class _Program:
     """A [B,T,H,X] operand."""
     return tiles.Chunk(ref.shape[-1] // self.block,
                        lambda i: ref[self.b, self.rows(), self.h, self.cols(i)],
-                       lambda p, i: ref[self.b, self.rows(p), self.h, self.cols(i)],
-                       lambda r, i: ref[self.b, self.c * self.C + r, self.h, self.cols(i)])
+                       lambda p, i: ref[self.b, self.rows(p), self.h, self.cols(i)])
 
   def bhtx(self, ref):
     """A [B,H,T,X] operand."""
@@ -75,26 +75,19 @@ class _Program:
   def scratch(self, refs: dict):
     b, h = self.b, self.h
 
-    def put_rows(name, p, x):
-      refs[name][b, h, self.rows(p), :] = x
-
-    def put_block(name, p, r, x):
-      refs[name][b, h, self.rows(p), pl.ds(r * TILE, TILE)] = x
-
     def put_full(name, x):
       refs[name][b, h, self.rows(), :] = x
 
     return tiles.Scratch(
-        put_rows=put_rows, put_block=put_block, put_full=put_full,
+        put_full=put_full,
         full=lambda name: refs[name][b, h, self.rows(), :],
         rows=lambda name, p: refs[name][b, h, self.rows(p), :],
         cols=lambda name, t: refs[name][b, h, self.rows(), pl.ds(t * TILE, TILE)],
-        block=lambda name, p, r: refs[name][b, h, self.rows(p), pl.ds(r * TILE, TILE)],
         barrier=lambda: barrier(self.interpret))
 
   def inputs(self, q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref):
     g = self.btx(g_ref)
-    return (self.btx(q_ref), self.btx(k_ref), self.btx(v_ref), tiles.gate_cumsum(g.n, g.full),
+    return (self.btx(q_ref), self.btx(k_ref), self.btx(v_ref), tiles.gate_cumsum(g),
             self.bt_rows(beta_ref), self.bt_rows(code_ref, with_head=False))
 
 
@@ -111,29 +104,32 @@ def prep_forward(q, k, v, g, beta, code, *, chunk: int, block: int, scale: float
   C, N = chunk, T // chunk
 
   def kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref, W_ref, U_ref, qg_ref, kd_ref, Aqk_ref,
-             sdec_ref, A_ref, D_ref, *Linv_ref):
+             sdec_ref, *solve_refs):
     pr = _Program(C, block, interpret)
 
-    def put_Aqk(p, x):
-      Aqk_ref[pr.b, pr.h, pr.rows(p), :] = x.astype(Aqk_ref.dtype)
+    def put_tile(ref):
+      def put(p, i, x):
+        ref[pr.b, pr.h, pr.rows(p), pr.cols(i)] = x.astype(ref.dtype)
+      return put
 
-    def put_Linv(x):
-      Linv_ref[0][pr.b, pr.h, pr.rows(), :] = x
+    def put_block(ref):
+      def put(p, r, x):
+        ref[pr.b, pr.h, pr.rows(p), pl.ds(r * TILE, TILE)] = x.astype(ref.dtype)
+      return put
 
-    put = tiles.Prep(W=pr.put_full(W_ref), U=pr.put_full(U_ref), qg=pr.put_full(qg_ref),
-                     kd=pr.put_full(kd_ref), Aqk=put_Aqk, sdec=pr.put_per_chunk(sdec_ref),
-                     Linv=put_Linv if keep_solve else None)
-    tiles.prep(*pr.inputs(q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref), scale, prec,
-               pr.scratch({"A": A_ref, "D": D_ref}), put)
+    A_put, Linv_put = (put_block(ref) for ref in solve_refs) if keep_solve else (None, None)
+    put = tiles_fwd.Sinks(W=put_tile(W_ref), U=put_tile(U_ref), qg=put_tile(qg_ref),
+                          kd=put_tile(kd_ref), sdec=pr.put_per_chunk(sdec_ref), Aqk=put_block(Aqk_ref),
+                          A=A_put, Linv=Linv_put)
+    tiles_fwd.prep(*pr.inputs(q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref), scale, prec, put)
 
   sd = lambda *shape: jax.ShapeDtypeStruct(shape, store_dtype)
-  # The scratch "A" (strict S_kk) is complete once the program ends, so with keep_solve it is an output.
   out_shape = (sd(B, H, T, K), sd(B, H, T, V), sd(B, H, T, K), sd(B, H, T, K), sd(B, H, T, C),
                jax.ShapeDtypeStruct((B, H, N, K), jnp.float32))
-  out_shape += _scratch_shapes(B, H, T, C, 3 if keep_solve else 2)
-  out = launch(kernel, grid=(N, H, B), out_shape=out_shape, interpret=interpret, tuning=tuning,
-               name="kda_prep_fwd")(q, k, v, g, beta, code)
-  return out[:6] + ((out[6], out[8]) if keep_solve else ())
+  if keep_solve:
+    out_shape += _scratch_shapes(B, H, T, C, 2)
+  return launch(kernel, grid=(N, H, B), out_shape=out_shape, interpret=interpret, tuning=tuning,
+                name="kda_prep_fwd")(q, k, v, g, beta, code)
 
 
 def state_grads(states, dS_next, dO, dVp, Vp, *, block: int, prec: tiles.Precision, store_dtype,

@@ -1,4 +1,5 @@
-"""Per-chunk KDA math for the Pallas kernels (DESIGN §2 "Chunked form").
+"""Per-chunk KDA math shared by the Pallas kernels, and the backward pass's (DESIGN §2 "Chunked form");
+the forward prep's is in pallas_tiles_fwd.
 
 One chunk of C = P * 16 rows: q, k [C,K], v [C,V], b [C], G [C,K] the in-chunk inclusive cumsum of the
 log-decays g (float32, made from g inside the kernels by `gate_cumsum`), and a row code [C] int32 =
@@ -6,8 +7,8 @@ log-decays g (float32, made from g inside the kernels by `gate_cumsum`), and a r
 state belongs to) and reset whether a document starts at that row. Operands are read by column block
 i, either whole (`full(i)` -> [C,BK]) or as a 16-row tile (`tile(p, i)` -> [16,BK]); column blocks are
 walked by loops.
-Triton values cannot be sliced or concatenated, so [C,C] work matrices that are built by 16-row strips
-and used whole (or by column strips) go through a global-memory `Scratch` of the same program, with a
+Triton values cannot be sliced or concatenated, so the backward's [C,C] work matrices, built whole and
+used by 16-row strips and columns, go through a global-memory `Scratch` of the same program, with a
 barrier between writing and reading.
 
 Scores by 16-row strip p, anchored on the strip's first row a:
@@ -16,8 +17,8 @@ With g >= -5 both exponents are within [-75, 75] on the diagonal tile and <= 0 b
 strip is one dense dot; columns after the strip are cut before the exp. The anchor is the first row
 because a later one would make a row's score depend on gates after it. The VJP's column side uses the
 column strip's first row as anchor, so its factors are bounded the same way.
-Solve: (I + A_kk)^{-1} by doubling: 16x16 diagonal blocks first, then 32 and 64 (X - X A_s X, A_s the
-lower-left part of each 2s block): blocked forward substitution, stable where a Neumann series is not.
+The 16x16 diagonal blocks of (I + A_kk)^{-1} come by doubling (X - X A_s X, A_s the lower-left part of
+each 2s block): blocked forward substitution, stable where a Neumann series is not.
 """
 
 from collections.abc import Callable
@@ -45,12 +46,10 @@ def precision_for(dtype) -> Precision:
 
 
 class Chunk(NamedTuple):
-  """One operand of one chunk: n column blocks, full(i) -> [C,BK], tile(p, i) -> rows 16p.., [16,BK],
-  row(r, i) -> row r, [BK]."""
+  """One operand of one chunk: n column blocks, full(i) -> [C,BK], tile(p, i) -> rows 16p.., [16,BK]."""
   n: int
   full: Callable
   tile: Callable
-  row: Callable = None
 
 
 class Rows(NamedTuple):
@@ -61,28 +60,25 @@ class Rows(NamedTuple):
 
 class Scratch(NamedTuple):
   """[C,C] float32 work matrices in global memory, by name; `barrier` orders writes before reads."""
-  put_rows: Callable   # (name, p, [16,C])
-  put_block: Callable  # (name, p, r, [16,16])
   put_full: Callable   # (name, [C,C])
   full: Callable       # name -> [C,C]
   rows: Callable       # (name, p) -> [16,C]
   cols: Callable       # (name, t) -> [C,16]
-  block: Callable      # (name, p, r) -> [16,16]
   barrier: Callable
 
 
-def _f32(x):
+def f32(x):
   return x.astype(jnp.float32)
 
 
-def _loop(n: int, body, carry):
+def loop(n: int, body, carry):
   """body(i, carry) over column blocks: a real loop, so the kernel's size does not grow with K / BK."""
   if n == 1:
     return body(0, carry)
   return jax.lax.fori_loop(0, n, body, carry)
 
 
-def _iota(shape, dim):
+def iota(shape, dim):
   return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
@@ -104,165 +100,108 @@ def docs(code: Rows) -> Docs:
   return Docs(doc, last, (doc == 0)[:, None], (doc == last)[:, None], last == 0)
 
 
-def _strip_mask(dm: Docs, code: Rows, p: int, strict: bool):
-  """[16,C]: entries (i in strip p, j) of the same document with j < i (strict) or j <= i."""
-  C = dm.doc.shape[0]
-  i = p * TILE + _iota((TILE, C), 0)
-  j = _iota((TILE, C), 1)
-  same = (code.tile(p) // 2)[:, None] == dm.doc[None, :]
-  return same & ((j < i) if strict else (j <= i))
-
-
 def _full_mask(dm: Docs, strict: bool):
   C = dm.doc.shape[0]
-  i, j = _iota((C, C), 0), _iota((C, C), 1)
+  i, j = iota((C, C), 0), iota((C, C), 1)
   same = dm.doc[:, None] == dm.doc[None, :]
   return same & ((j < i) if strict else (j <= i))
 
 
 def _from_anchor(G, Ga, p, C):
   """e^{G_a - G_j} for strip p's anchor a and rows j up to the end of the strip, else 0."""
-  return jnp.exp(jnp.where(_iota((C, 1), 0) < (p + 1) * TILE, Ga[None, :] - G, -jnp.inf))
+  return jnp.exp(jnp.where(iota((C, 1), 0) < (p + 1) * TILE, Ga[None, :] - G, -jnp.inf))
 
 
 def _to_anchor(G, Ga, t, C):
   """e^{G_i - G_a} for column strip t's anchor a (its first row) and rows i from a on, else 0."""
-  return jnp.exp(jnp.where(_iota((C, 1), 0) >= t * TILE, G - Ga[None, :], -jnp.inf))
+  return jnp.exp(jnp.where(iota((C, 1), 0) >= t * TILE, G - Ga[None, :], -jnp.inf))
 
 
-def _prefix_sums(lower, g):
-  """lower @ g for a 0/1 matrix `lower`, float32 and exact but for the order of the additions: a 0/1
-  matrix and bf16 values are exact bf16 dot operands, and float32 g is the sum of three bf16 parts."""
+def _bf16_parts(g):
+  """g as bf16 parts whose sum is g exactly: itself if bf16, else three (8 + 8 + 8 significant bits)."""
   if g.dtype == jnp.bfloat16:
-    return dot(lower, g, "bf16")
-  g = _f32(g)
+    return (g,)
+  g = f32(g)
   hi = g.astype(jnp.bfloat16)
-  rest = g - _f32(hi)
+  rest = g - f32(hi)
   mid = rest.astype(jnp.bfloat16)
-  lo = (rest - _f32(mid)).astype(jnp.bfloat16)
-  return dot(lower, hi, "bf16") + dot(lower, mid, "bf16") + dot(lower, lo, "bf16")
+  return hi, mid, (rest - f32(mid)).astype(jnp.bfloat16)
 
 
-def gate_cumsum(n: int, raw: Callable) -> Chunk:
-  """The G operand from the gates: raw(i) -> g [C,BK] of column block i (bf16 or float32).
+class GateBlock:
+  """G of one column block, from the gates g [C,BK] (bf16 or float32) of the chunk.
 
-  Prefix sums by dots with lower-triangular 0/1 matrices, so that no [B,T,H,K] float32 G is written
-  and read between the kernels (XLA's cumsum did that once per pass); a single row is a masked column
-  sum."""
-  def lower(rows, C, first):
-    return (first + _iota((rows, C), 0) >= _iota((rows, C), 1)).astype(jnp.bfloat16)
+  Prefix sums are dots with lower-triangular 0/1 matrices, exact bf16 operands, float32 accumulation:
+  exact but for the order of the additions. Each tile is made at most once per block. A row comes out
+  of its own tile by a masked max, so a strip's anchor cancels exactly against its own row (rows made
+  by another sum order put float32 rounding of |G| <= 5 C into every decay factor).
+  """
 
-  def full(i):
-    g = raw(i)
-    return _prefix_sums(lower(g.shape[0], g.shape[0], 0), g)
+  def __init__(self, g):
+    self.C = g.shape[0]
+    self._parts = _bf16_parts(g)
+    self._tiles = {}
+    self._full = None
 
-  def tile(p, i):
-    g = raw(i)
-    return _prefix_sums(lower(TILE, g.shape[0], p * TILE), g)
+  def _sums(self, rows: int, first: int):
+    lower = (first + iota((rows, self.C), 0) >= iota((rows, self.C), 1)).astype(jnp.bfloat16)
+    out = dot(lower, self._parts[0], "bf16")
+    for part in self._parts[1:]:
+      out = out + dot(lower, part, "bf16")
+    return out
 
-  def row(r, i):
-    g = _f32(raw(i))
-    return _colsum(jnp.where(_iota((g.shape[0], 1), 0) <= r, g, 0.0))
+  def full(self):
+    """[C,BK]."""
+    if self._full is None:
+      self._full = self._sums(self.C, 0)
+    return self._full
 
-  return Chunk(n, full, tile, row)
+  def tile(self, p: int):
+    """Rows 16p.., [16,BK]."""
+    if p not in self._tiles:
+      self._tiles[p] = self._sums(TILE, p * TILE)
+    return self._tiles[p]
 
-
-def score_strips(q: Chunk, k: Chunk, g: Chunk, prec: Precision):
-  """Unmasked S_qk, S_kk by 16-row strips [16,C]; g: the G operand."""
-  C = k.full(0).shape[0]
-  P = C // TILE
-  zero = jnp.zeros((TILE, C), jnp.float32)
-
-  def body(i, acc):
-    Sqk, Skk = list(acc[0]), list(acc[1])
-    G = g.full(i)
-    kf = _f32(k.full(i))
-    for p in range(P):
-      Ga = g.row(p * TILE, i)
-      kc = kf * _from_anchor(G, Ga, p, C)
-      Erow = jnp.exp(g.tile(p, i) - Ga[None, :])
-      Skk[p] = Skk[p] + dot_nt(_f32(k.tile(p, i)) * Erow, kc, prec.big)
-      Sqk[p] = Sqk[p] + dot_nt(_f32(q.tile(p, i)) * Erow, kc, prec.big)
-    return tuple(Sqk), tuple(Skk)
-
-  return _loop(k.n, body, ((zero,) * P, (zero,) * P))
+  def row(self, r: int):
+    """Row r, [BK]."""
+    t = self.tile(r // TILE)
+    return jnp.max(jnp.where(iota((TILE, 1), 0) == r % TILE, t, -jnp.inf), axis=0)
 
 
-def _inverse16(A, prec: Precision):
-  """(I + A)^{-1} for a strictly lower-triangular 16x16 A, by doubling (see the module docstring)."""
-  X = (_iota((TILE, TILE), 0) == _iota((TILE, TILE), 1)).astype(jnp.float32)
-  return _double(X, A, 1, prec)
+class Gates(NamedTuple):
+  """The G operand of one chunk: n column blocks, block(i) -> GateBlock (make it once per loop step)."""
+  n: int
+  block: Callable
 
 
-def _double(X, A, s, prec: Precision):
-  """From X = inverse of the s-blocks of I + A to the inverse of the whole matrix."""
-  n = A.shape[0]
-  rows, cols = _iota((n, n), 0), _iota((n, n), 1)
-  while s < n:
+def gate_cumsum(gates: Chunk) -> Gates:
+  """G from the gates' operand, inside the kernel, so that no [B,T,H,K] float32 G is written and read
+  between the kernels (XLA's cumsum did that once per pass)."""
+  return Gates(gates.n, lambda i: GateBlock(gates.full(i)))
+
+
+def inverse16(A, prec: Precision):
+  """(I + A)^{-1} for a strictly lower-triangular 16x16 A, by doubling (see the module docstring):
+  from X, the inverse of the s x s diagonal blocks, to that of the 2s x 2s ones."""
+  rows, cols = iota((TILE, TILE), 0), iota((TILE, TILE), 1)
+  X = (rows == cols).astype(jnp.float32)
+  s = 1
+  while s < TILE:
     lower_left = (rows // (2 * s) == cols // (2 * s)) & (rows % (2 * s) >= s) & (cols % (2 * s) < s)
     X = X - dot(dot(X, jnp.where(lower_left, A, 0.0), prec.solve), X, prec.solve)
     s *= 2
   return X
 
 
-def solve_setup(Skk, b: Rows, code: Rows, dm: Docs, scratch: Scratch, prec: Precision):
-  """Linv = (I + A_kk)^{-1}, A_kk = b * strict * S_kk. Leaves strict * S_kk in scratch "A"."""
-  P = len(Skk)
-  C = P * TILE
-  for p in range(P):
-    scratch.put_rows("A", p, jnp.where(_strip_mask(dm, code, p, strict=True), Skk[p], 0.0))
-  scratch.barrier()
-  for p in range(P):
-    Dinv = _inverse16(_f32(b.tile(p))[:, None] * scratch.block("A", p, p), prec)
-    for r in range(P):
-      scratch.put_block("D", p, r, Dinv if r == p else jnp.zeros((TILE, TILE), jnp.float32))
-  scratch.barrier()
-  return _double(scratch.full("D"), _f32(b.full())[:, None] * scratch.full("A"), TILE, prec) if C > TILE \
-      else scratch.full("D")
-
-
 class Prep(NamedTuple):
-  """Per chunk, what the state pass needs (scale folded into qg and Aqk), as sinks or sources:
-  W, qg, kd [C,BK] and sdec [BK] by K block, U [C,BK] by V block, Aqk by 16-row strip [16,C]; and
-  optionally Linv [C,C], the solve, for the backward pass (None: not kept)."""
+  """Cotangents of one chunk's prep results (pallas_tiles_fwd.prep), as state_grads' sinks or
+  prep_vjp's sources: W, qg, kd [C,BK] and sdec [BK] by K block, U [C,BK] by V block, Aqk [C,C]."""
   W: Any
   U: Any
   qg: Any
   kd: Any
   Aqk: Any
   sdec: Any
-  Linv: Any = None
-
-
-def prep(q: Chunk, k: Chunk, v: Chunk, g: Chunk, b: Rows, code: Rows, scale: float, prec: Precision,
-         scratch: Scratch, put: Prep):
-  """One chunk's W, U, qg, kd, A_qk, sdec (DESIGN §2), float32, handed to the sinks in `put`.
-  g is the G operand (in-chunk cumsum of the gates)."""
-  dm = docs(code)
-  Sqk, Skk = score_strips(q, k, g, prec)
-  for p in range(len(Sqk)):
-    put.Aqk(p, jnp.where(_strip_mask(dm, code, p, strict=False), scale * Sqk[p], 0.0))
-  Linv = solve_setup(Skk, b, code, dm, scratch, prec)
-  if put.Linv is not None:
-    put.Linv(Linv)
-  b_C1 = _f32(b.full())[:, None]
-
-  def w_block(i, carry):
-    G = g.full(i)
-    GC = g.row(G.shape[0] - 1, i)
-    eG, kf = jnp.exp(G), _f32(k.full(i))
-    put.W(i, jnp.where(dm.carried, dot(Linv, b_C1 * kf * eG, prec.solve), 0.0))
-    put.qg(i, jnp.where(dm.carried, scale * _f32(q.full(i)) * eG, 0.0))
-    put.kd(i, jnp.where(dm.in_last, kf * jnp.exp(GC[None, :] - G), 0.0))
-    put.sdec(i, jnp.where(dm.whole, jnp.exp(GC), 0.0))
-    return carry
-
-  def u_block(i, carry):
-    put.U(i, dot(Linv, b_C1 * _f32(v.full(i)), prec.solve))
-    return carry
-
-  _loop(k.n, w_block, 0)
-  _loop(v.n, u_block, 0)
 
 
 class Cols(NamedTuple):
@@ -285,10 +224,10 @@ def state_grads(S: Cols, dSn: Cols, dO_CV, dVp_CV, Vp_CV, prec: Precision, put: 
     put.W(i, -dot_nt(dVp_CV, S_BV, prec.big))
     put.qg(i, dot_nt(dO_CV, S_BV, prec.big))
     put.kd(i, dot_nt(Vp_CV, dSn_BV, prec.big))
-    put.sdec(i, jnp.sum(_f32(S_BV) * _f32(dSn_BV), axis=1))
+    put.sdec(i, jnp.sum(f32(S_BV) * f32(dSn_BV), axis=1))
     return carry
 
-  _loop(S.n, block, 0)
+  loop(S.n, block, 0)
 
 
 class Grads(NamedTuple):
@@ -318,7 +257,7 @@ def _route_to_gates(tile_docs, dG: list, dGC, prec_exact: str):
   document of the tile's last row.
   """
   P = len(dG)
-  rows, cols = _iota((TILE, TILE), 0), _iota((TILE, TILE), 1)
+  rows, cols = iota((TILE, TILE), 0), iota((TILE, TILE), 1)
   dg = [None] * P
   after = dGC
   for p in reversed(range(P)):
@@ -333,7 +272,7 @@ def _route_to_gates(tile_docs, dG: list, dGC, prec_exact: str):
   return dg
 
 
-def prep_vjp(q: Chunk, k: Chunk, v: Chunk, g: Chunk, b: Rows, code: Rows, scale: float, prec: Precision,
+def prep_vjp(q: Chunk, k: Chunk, v: Chunk, g: Gates, b: Rows, code: Rows, scale: float, prec: Precision,
              d: Prep, scratch: Scratch, put: Grads):
   """Cotangents of (q, k, v, g, b) from those of prep's outputs (d: sources shaped like prep's sinks,
   except d.Aqk() -> the whole [C,C]). The forward pass's solve comes in the scratch: "A" (strict S_kk,
@@ -347,31 +286,31 @@ def prep_vjp(q: Chunk, k: Chunk, v: Chunk, g: Chunk, b: Rows, code: Rows, scale:
   Linv = scratch.full("L")
   C = Linv.shape[0]
   P = C // TILE
-  b_C1 = _f32(b.full())[:, None]
-  dWc = lambda i: jnp.where(dm.carried, _f32(d.W.full(i)), 0.0)
+  b_C1 = f32(b.full())[:, None]
+  dWc = lambda i: jnp.where(dm.carried, f32(d.W.full(i)), 0.0)
 
   # Through W = Linv (b k e^G) (carried rows) and U = Linv (b v): dA_kk and the direct parts of db.
   def k_block(i, carry):
     acc, db = carry
-    kg = _f32(k.full(i)) * jnp.exp(g.full(i))
+    kg = f32(k.full(i)) * jnp.exp(g.block(i).full())
     dR = dot_tn(Linv, dWc(i), prec.solve)
     acc = acc + dot_nt(dR, dot(Linv, b_C1 * kg, prec.solve), prec.solve)
     return acc, db + jnp.sum(dR * kg, axis=1)
 
   def v_block(i, carry):
     acc, db = carry
-    vf = _f32(v.full(i))
-    dR = dot_tn(Linv, _f32(d.U.full(i)), prec.solve)
+    vf = f32(v.full(i))
+    dR = dot_tn(Linv, f32(d.U.full(i)), prec.solve)
     put.v(i, b_C1 * dR)
     acc = acc + dot_nt(dR, dot(Linv, b_C1 * vf, prec.solve), prec.solve)
     return acc, db + jnp.sum(dR * vf, axis=1)
 
   carry = (jnp.zeros((C, C), jnp.float32), jnp.zeros((C,), jnp.float32))
-  acc, db = _loop(v.n, v_block, _loop(k.n, k_block, carry))
+  acc, db = loop(v.n, v_block, loop(k.n, k_block, carry))
   dA = -jnp.where(_full_mask(dm, strict=True), acc, 0.0)
   put.b(db + jnp.sum(dA * scratch.full("A"), axis=1))
   scratch.put_full("K", b_C1 * dA)
-  scratch.put_full("Q", jnp.where(_full_mask(dm, strict=False), scale * _f32(d.Aqk()), 0.0))
+  scratch.put_full("Q", jnp.where(_full_mask(dm, strict=False), scale * f32(d.Aqk()), 0.0))
   scratch.barrier()
   tile_docs = _tile_docs(code, P)
   # The score cotangents' strips (Q: of A_qk, K: of A_kk) and Linv's, read once for every column block:
@@ -389,35 +328,36 @@ def prep_vjp(q: Chunk, k: Chunk, v: Chunk, g: Chunk, b: Rows, code: Rows, scale:
   linv_cols = strips(lambda t: scratch.cols("L", t))
 
   def g_block(i, carry):
-    G = g.full(i)
-    GC = g.row(C - 1, i)
-    qf, kf = _f32(q.full(i)), _f32(k.full(i))
+    Gb = g.block(i)
+    G = Gb.full()
+    GC = Gb.row(C - 1)
+    qf, kf = f32(q.full(i)), f32(k.full(i))
     dWf = dWc(i)
     # kd = k e^{G_C - G} (last document), sdec = e^{G_C} (whole chunk): their G_C part reaches every g.
-    dkd_f = jnp.where(dm.in_last, _f32(d.kd.full(i)) * jnp.exp(GC[None, :] - G), 0.0)
-    dGC = _colsum(dkd_f * kf) + jnp.where(dm.whole, _f32(d.sdec.get(i)) * jnp.exp(GC), 0.0)
+    dkd_f = jnp.where(dm.in_last, f32(d.kd.full(i)) * jnp.exp(GC[None, :] - G), 0.0)
+    dGC = _colsum(dkd_f * kf) + jnp.where(dm.whole, f32(d.sdec.get(i)) * jnp.exp(GC), 0.0)
     dG = []
     for t in range(P):
-      Ga = g.row(t * TILE, i)
+      Ga = Gb.row(t * TILE)
       # Row side of strip t: dx = (dP[t] @ k e^{G_a - G}) e^{G - G_a}.
       kc = kf * _from_anchor(G, Ga, t, C)
       dqE = dot(dq_rows(t), kc, prec.dscore)
       dkE = dot(dk_rows(t), kc, prec.dscore)
       # Column side of strip t: dy = (dP[:,t]^T @ x e^{G - G_a}) e^{G_a - G}.
       xe = _to_anchor(G, Ga, t, C)
-      G_t = g.tile(t, i)
+      G_t = Gb.tile(t)
       loc = G_t - Ga[None, :]
       dkc = (dot_tn(dq_cols(t), qf * xe, prec.dscore)
              + dot_tn(dk_cols(t), kf * xe, prec.dscore)) * jnp.exp(-loc)
       Erow = jnp.exp(loc)
-      q_t, k_t = _f32(q.tile(t, i)), _f32(k.tile(t, i))
+      q_t, k_t = f32(q.tile(t, i)), f32(k.tile(t, i))
       eG_t = jnp.exp(G_t)
       dq = dqE * Erow
       dk_row = dkE * Erow
-      dk_sol = _f32(b.tile(t))[:, None] * dot_tn(linv_cols(t), dWf, prec.solve) * eG_t
+      dk_sol = f32(b.tile(t))[:, None] * dot_tn(linv_cols(t), dWf, prec.solve) * eG_t
       doc_t = tile_docs[t][0]
-      dqg = jnp.where((doc_t == 0)[:, None], scale * _f32(d.qg.tile(t, i)) * eG_t, 0.0)
-      dkd = jnp.where((doc_t == dm.last)[:, None], _f32(d.kd.tile(t, i)) * jnp.exp(GC[None, :] - G_t), 0.0)
+      dqg = jnp.where((doc_t == 0)[:, None], scale * f32(d.qg.tile(t, i)) * eG_t, 0.0)
+      dkd = jnp.where((doc_t == dm.last)[:, None], f32(d.kd.tile(t, i)) * jnp.exp(GC[None, :] - G_t), 0.0)
       dG.append(dk_sol * k_t + q_t * dq + k_t * dk_row - k_t * dkc + dqg * q_t - dkd * k_t)
       put.q(t, i, dq + dqg)
       put.k(t, i, dk_sol + dk_row + dkc + dkd)
@@ -425,4 +365,4 @@ def prep_vjp(q: Chunk, k: Chunk, v: Chunk, g: Chunk, b: Rows, code: Rows, scale:
       put.g(t, i, dg)
     return carry
 
-  _loop(k.n, g_block, 0)
+  loop(k.n, g_block, 0)

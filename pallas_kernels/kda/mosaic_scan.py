@@ -1,0 +1,243 @@
+"""The forward inter-chunk state pass of KDA (pallas_scan.scan_forward) on the Mosaic GPU lowering, so that
+the two Pallas lowerings can be measured side by side on one kernel (benchmarks/kda_backend.py).
+
+Same recurrence and grid as the Triton version: one program (one warpgroup, one CUDA block) per
+(V block, head, batch row) walks the N = T/C chunks in order with a [K, BV] float32 state S:
+  V' = U - W S,  O = qg S + A_qk V',  S <- sdec * S + kd^T V'.
+
+How it maps onto Hopper:
+- Every product is a wgmma (plgpu.wgmma) with bf16 operands in shared memory and float32 accumulation,
+  the Triton version's "bf16" precision; float32 product operands are rounded to bf16 on entry (no TF32
+  path: wgmma cannot transpose 32-bit operands, and kd^T V' needs exactly that). U, which enters no
+  product, keeps its dtype.
+- S stays in registers as a wgmma accumulator [K, BV]; each chunk writes its bf16 copy to shared memory
+  because wgmma reads B operands only from there. V' takes the same trip before A_qk V' and kd^T V'.
+- wgmma tiles have 64 rows per warpgroup, which a chunk of 32 fills only half. So W and qg share one
+  tile, W in rows [0, C) and qg in [C, 2C) (rounded up to whole 64-row tiles): one wgmma gives W S and
+  qg S, at C = 32 as a single full tile. A_qk is loaded into the rows of its tile that line up with qg S,
+  so A_qk V' lands on the rows that already hold qg S and O is one add. U - W S is formed on whole tiles:
+  its rows past C are garbage (never loaded), which no product reads (the products that contract over
+  the chunk read V' rows [0, C) only) and no store writes out. C = 32 and 64 waste no tensor-core rows;
+  C = 16 wastes half of the shared tile.
+- The chunk's six operands (W, qg, kd, U, A_qk, sdec) arrive by TMA into a ring of `stages` shared-memory
+  slots, all counted on one barrier per slot, so chunks c+1.. load while chunk c computes (the Triton
+  version gets the same from num_stages). O leaves through a double-buffered shared tile and a TMA store
+  that overlaps the next chunk. S0 and the final state go straight between registers and global memory.
+- Keep mode (states_dtype, for the backward pass) stores the state entering each chunk and V' by TMA from
+  the bf16 shared tiles of S and V' that the products read anyway: no extra shared memory or conversion,
+  hence states_dtype must be bf16. Those tiles stay single-buffered: the next chunk, before overwriting
+  one, waits until its store (issued a whole chunk of work earlier) has read it, which should never
+  stall, where double buffers would cost 2 (K + X) BV more bytes (smem_bytes' slack for slots and for a
+  second program per SM).
+- A wgmma's two shared-memory operands must share one swizzle in this Mosaic GPU version, so every bf16
+  tile uses 2 * min(BV, C, 64) bytes: BV = 16 forces the narrowest, 32 bytes; BV = 64 with C = 64 gets
+  the full 128 bytes.
+
+Limits: K a multiple of 64 (the state is the M side of kd^T V'); C and BV powers of two >= 16, BV <= 256;
+shared memory (smem_bytes) within the H200's 227 KiB (SMEM_LIMIT), which at K = 128 rules out C = 128
+except with one slot; keep mode in bf16 only. `unsupported` applies these rules for the op.
+Interpret mode (interpret=True) runs the kernel on the CPU but executes wgmma and TMA stores
+synchronously, so it checks the data flow and the slot ring's barriers, not the asynchronous waits.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+ROWS = 64  # wgmma M tile of one warpgroup
+SMEM_LIMIT = 227 * 1024  # shared memory one CUDA block may ask for on an H100 / H200
+
+
+def _transforms(dtype, width: int, max_elems: int | None = None):
+  """Tiling + swizzle of a shared-memory tile whose last dimension is `width` elements: the widest
+  swizzle (<= 128 bytes, and <= max_elems elements when given) whose row of elements divides `width`."""
+  size = jnp.dtype(dtype).itemsize
+  elems = min(128 // size, width, max_elems or width)
+  if elems * size < 32 or width % elems:
+    raise ValueError(f"no wgmma swizzle fits a last dimension of {width} {jnp.dtype(dtype).name}")
+  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(elems * size))
+
+
+def check_shapes(K: int, C: int, block_v: int, V: int):
+  """Raises ValueError for shapes this port does not take (see the module docstring)."""
+  pow2 = lambda n: n >= 16 and not n & (n - 1)
+  if K % ROWS:
+    raise ValueError(f"key width {K} must be a multiple of {ROWS} (wgmma rows)")
+  if not pow2(C):
+    raise ValueError(f"chunk {C} must be a power of two >= 16")
+  if not pow2(block_v) or block_v > 256:
+    raise ValueError(f"V block {block_v} must be a power of two in [16, 256]")
+  if V % block_v:
+    raise ValueError(f"V block {block_v} must divide the value width {V}")
+
+
+def tile_rows(C: int):
+  """Rows of the stacked tiles at chunk C: R of [W; qg] (W in rows [0, C), qg in [C, 2C)), `lo`, the
+  first row of [W; qg] that the output tile covers, and X of the U and V' tiles (rows [0, C) used)."""
+  R = -(-2 * C // ROWS) * ROWS
+  return R, C // ROWS * ROWS, -(-C // ROWS) * ROWS
+
+
+def smem_bytes(K: int, C: int, block_v: int, stages: int, out_dtype, u_dtype=jnp.bfloat16) -> int:
+  """Shared memory of one program, to the byte as Mosaic GPU counts it against the limit: `stages` chunk
+  slots, the bf16 state and V', two output tiles (each buffer rounded up to the 1 KiB Mosaic aligns
+  scratch to) and one 8-byte barrier per slot. Keep mode stores from the state and V' tiles and needs
+  nothing more."""
+  R, lo, X = tile_rows(C)
+  size = lambda dtype, *shape: -(-math.prod(shape) * jnp.dtype(dtype).itemsize // 1024) * 1024
+  bf = jnp.bfloat16
+  buffers = (size(bf, stages, R, K), size(bf, stages, C, K), size(u_dtype, stages, X, block_v),
+             size(bf, stages, R - lo, C), size(jnp.float32, stages, K), size(bf, K, block_v),
+             size(bf, X, block_v), size(out_dtype, 2, R - lo, block_v))
+  return sum(buffers) + 8 * stages
+
+
+def unsupported(K: int, C: int, block_v: int, V: int, store_dtype, stages: int) -> str | None:
+  """Why scan_forward_mosaic cannot take these settings where the op stores its intermediates (and keeps
+  states and V') in store_dtype; None when it can. Shared memory is counted with float32 outputs, the
+  widest the op asks for."""
+  if jnp.dtype(store_dtype) != jnp.bfloat16:
+    return f"the Mosaic scan takes bf16 operands and keeps bf16 states, not {jnp.dtype(store_dtype).name}"
+  try:
+    check_shapes(K, C, block_v, V)
+  except ValueError as e:
+    return str(e)
+  need = smem_bytes(K, C, block_v, stages, jnp.float32)
+  if need > SMEM_LIMIT:
+    return f"it needs {need} bytes of shared memory at {stages} slots; one block may use {SMEM_LIMIT}"
+  return None
+
+
+def scan_forward_mosaic(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int, stages: int = 2,
+                        states_dtype=None, interpret=False):
+  """Returns (o, S_fin, states, V') like pallas_scan.scan_forward: o [B,T,H,V] in out_dtype, the final
+  state [B,H,K,V] float32, and, when states_dtype is given, the state entering each chunk [B,H,N,K,V] and
+  V' = U - W S [B,H,T,V] in that dtype (else None, None). states_dtype must be bf16 (ValueError
+  otherwise): the stores reuse the bf16 tiles the products read. stages: chunk slots in flight (2:
+  double-buffered). interpret: True (or plgpu.InterpretGPUParams) runs the kernel in Mosaic GPU interpret
+  mode on the CPU."""
+  B, H, T, K = W.shape
+  V = U.shape[-1]
+  C = Aqk.shape[-1]
+  N = T // C
+  BV = block_v
+  check_shapes(K, C, BV, V)
+  if T % C:
+    raise ValueError(f"length {T} must be a whole number of chunks of {C}")
+  if stages < 1:
+    raise ValueError(f"stages must be >= 1, got {stages}")
+  keep = states_dtype is not None
+  if keep and jnp.dtype(states_dtype) != jnp.bfloat16:
+    raise ValueError(f"states_dtype must be bfloat16 (the kernel stores its bf16 operand tiles), got "
+                     f"{jnp.dtype(states_dtype).name}")
+  stages = min(stages, N)
+  R, lo, X = tile_rows(C)
+  first = C - lo  # first valid row of the output tile
+  bf, f32 = jnp.bfloat16, jnp.float32
+  W, qg, kd, Aqk = (x.astype(bf) for x in (W, qg, kd, Aqk))
+  if U.dtype != f32:
+    U = U.astype(bf)
+  sdec, S0 = sdec.astype(f32), S0.astype(f32)
+  # One swizzle for every bf16 operand (see the docstring): B tiles are BV wide and the chunk-contracting
+  # products step through C in swizzle-wide groups.
+  mma = functools.partial(_transforms, bf, max_elems=min(BV, C))
+
+  def body(W_g, U_g, qg_g, kd_g, Aqk_g, sdec_g, S0_g, o_g, Sfin_g, *refs):
+    states_g, Vp_g = refs[:2] if keep else (None, None)
+    Wq_s, kd_s, U_s, Aqk_s, sdec_s, S_s, Vp_s, o_s, loaded = refs[2 * keep:]
+    j, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
+    cols = pl.ds(j * BV, BV)
+
+    def fetch(c, slot):
+      rows = pl.ds(c * C, C)
+      bar = loaded.at[slot]
+      plgpu.copy_gmem_to_smem(W_g.at[b, h, rows], Wq_s.at[slot, pl.ds(0, C)], bar)
+      plgpu.copy_gmem_to_smem(qg_g.at[b, h, rows], Wq_s.at[slot, pl.ds(C, C)], bar)
+      plgpu.copy_gmem_to_smem(kd_g.at[b, h, rows], kd_s.at[slot], bar)
+      plgpu.copy_gmem_to_smem(U_g.at[b, h, rows, cols], U_s.at[slot, pl.ds(0, C)], bar)
+      plgpu.copy_gmem_to_smem(Aqk_g.at[b, h, rows], Aqk_s.at[slot, pl.ds(first, C)], bar)
+      plgpu.copy_gmem_to_smem(sdec_g.at[b, h, c], sdec_s.at[slot], bar)
+
+    for slot in range(stages):
+      fetch(slot, slot)
+    S_KV = plgpu.load(S0_g.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
+
+    def step(c, S_KV):
+      slot = lax.rem(c, stages)
+      plgpu.barrier_wait(loaded.at[slot])
+      rows = pl.ds(c * C, C)
+      if keep:
+        # Stores go out per chunk as state, V', O; leaving only the last two (V', O) unfinished makes
+        # sure the last state store has read S_s.
+        plgpu.wait_smem_to_gmem(2, wait_read_only=True)
+      S_s[...] = S_KV.astype(bf)
+      plgpu.commit_smem()  # the bf16 state must be visible to the tensor cores (and to TMA)
+      if keep:
+        plgpu.copy_smem_to_gmem(S_s, states_g.at[b, h, c, :, cols])
+
+      def products(y_acc, o_acc, s_acc):
+        # [W; qg] S in one wgmma: rows [0, C) are W S, rows [C, 2C) qg S.
+        plgpu.wgmma(y_acc, Wq_s.at[slot], S_s)
+        U_XV = U_s.at[slot][...].astype(f32)
+        decay_K = plgpu.load(sdec_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
+        Y_RV = y_acc[...]
+        if keep:
+          # Likewise for the last V' store, which the last O store and this chunk's state store follow.
+          plgpu.wait_smem_to_gmem(2, wait_read_only=True)
+        # Rows past C of V' are garbage (U was not loaded there) and are never read back.
+        Vp_s[...] = (U_XV - Y_RV[:X]).astype(bf)
+        plgpu.commit_smem()
+        if keep:
+          plgpu.copy_smem_to_gmem(Vp_s.at[pl.ds(0, C)], Vp_g.at[b, h, rows, cols])
+        # A_qk sits in the rows of its tile that line up with qg S in Y_RV[lo:].
+        plgpu.wgmma(o_acc, Aqk_s.at[slot], Vp_s.at[pl.ds(0, C)])
+        plgpu.wgmma(s_acc, kd_s.at[slot].transpose((1, 0)), Vp_s.at[pl.ds(0, C)])
+        S_dec = S_KV * lax.broadcast_in_dim(decay_K, S_KV.shape, [0])  # overlaps the two wgmmas
+        return Y_RV[lo:] + o_acc[...], S_dec + s_acc[...]
+
+      o_OV, S_KV = pl.run_scoped(products, plgpu.ACC((R, BV), f32), plgpu.ACC((R - lo, BV), f32),
+                                 plgpu.ACC((K, BV), f32))
+      # Every read of this slot is done: refill it with the chunk `stages` ahead.
+      @pl.when(c + stages < N)
+      def _():
+        fetch(c + stages, slot)
+
+      # The O store issued two chunks ago used this output tile; the previous one may still be in flight
+      # (in keep mode, so may this chunk's state and V' stores issued after it).
+      out = o_s.at[lax.rem(c, 2)]
+      plgpu.wait_smem_to_gmem(1 + 2 * keep, wait_read_only=True)
+      out[...] = o_OV.astype(out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out.at[pl.ds(first, C)], o_g.at[b, rows, h, cols])
+      return S_KV
+
+    S_KV = lax.fori_loop(0, N, step, S_KV)
+    Sfin_g.at[b, h, :, cols][...] = S_KV
+    plgpu.wait_smem_to_gmem(0)
+
+  scratch = [
+      plgpu.SMEM((stages, R, K), bf, transforms=mma(K)),      # [W; qg]
+      plgpu.SMEM((stages, C, K), bf, transforms=mma(K)),      # kd
+      plgpu.SMEM((stages, X, BV), U.dtype, transforms=_transforms(U.dtype, BV)),  # U
+      plgpu.SMEM((stages, R - lo, C), bf, transforms=mma(C)),  # A_qk
+      plgpu.SMEM((stages, K), f32),                           # sdec
+      plgpu.SMEM((K, BV), bf, transforms=mma(BV)),            # the state, as a B operand
+      plgpu.SMEM((X, BV), bf, transforms=mma(BV)),            # V', as a B operand
+      plgpu.SMEM((2, R - lo, BV), out_dtype, transforms=_transforms(out_dtype, BV)),  # O on its way out
+      plgpu.Barrier(num_arrivals=6, num_barriers=stages),     # the six copies of one chunk
+  ]
+  out_type = [jax.ShapeDtypeStruct((B, T, H, V), out_dtype), jax.ShapeDtypeStruct((B, H, K, V), f32)]
+  if keep:
+    out_type += [jax.ShapeDtypeStruct((B, H, N, K, V), bf), jax.ShapeDtypeStruct((B, H, T, V), bf)]
+  if interpret is True:
+    interpret = plgpu.InterpretGPUParams()
+  run = plgpu.kernel(
+      body, out_type=tuple(out_type), scratch_types=scratch, grid=(V // BV, H, B), grid_names=("v", "h", "b"),
+      interpret=interpret or None, kernel_name="kda_scan_fwd_mosaic")
+  out = run(W, U, qg, kd, Aqk, sdec, S0)
+  return tuple(out) if keep else (*out, None, None)

@@ -1,0 +1,216 @@
+"""The Mosaic GPU port of KDA's forward state scan (pallas_kernels.kda.mosaic_scan) on the CPU: Mosaic GPU
+interpret mode against a float64 loop over the recurrence and against the Triton scan in interpret mode
+(keep mode's states and V' too), with the interpreter's race detector watching the TMA slot ring and the
+stores; its lowering for CUDA at the benchmark's shapes (lowering needs no GPU: it catches layout, tiling
+and shared-memory errors before a GPU run); and benchmarks/kda_backend.py --smoke."""
+
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.kda_backend import TITLE, write_subsection  # noqa: E402
+from pallas_kernels.kda.mosaic_scan import scan_forward_mosaic, smem_bytes, unsupported  # noqa: E402
+from pallas_kernels.kda.pallas_backend import Tuning  # noqa: E402
+from pallas_kernels.kda.pallas_scan import scan_forward  # noqa: E402
+
+H200_SMEM = 227 * 1024  # what one CUDA block may ask for on an H100 / H200
+
+
+def scan_inputs(seed, B, H, N, C, K, V, dtype):
+  """Bounded inputs whose state stays of order one: W and kd small enough that S <- (sdec - kd^T W) S
+  does not grow, sdec in (0.3, 1]."""
+  rng = np.random.default_rng(seed)
+  T = N * C
+  normal = lambda scale, *shape: jnp.asarray(scale * rng.normal(size=shape), dtype)
+  W, qg, kd = (normal(0.05, B, H, T, K) for _ in range(3))
+  U, Aqk = normal(1.0, B, H, T, V), normal(0.1, B, H, T, C)
+  sdec = jnp.asarray(rng.uniform(0.3, 1.0, size=(B, H, N, K)), jnp.float32)
+  S0 = jnp.asarray(rng.normal(size=(B, H, K, V)), jnp.float32)
+  return W, U, qg, kd, Aqk, sdec, S0
+
+
+def recurrence(W, U, qg, kd, Aqk, sdec, S0):
+  """o [B,T,H,V] and the final state, chunk by chunk in float64."""
+  W, U, qg, kd, Aqk, sdec, S = (np.asarray(x, np.float64) for x in (W, U, qg, kd, Aqk, sdec, S0))
+  B, H, T, _ = W.shape
+  C = Aqk.shape[-1]
+  o = np.zeros((B, T, H, U.shape[-1]))
+  for c in range(T // C):
+    rows = slice(c * C, (c + 1) * C)
+    Vp = U[:, :, rows] - W[:, :, rows] @ S
+    o[:, rows] = np.swapaxes(qg[:, :, rows] @ S + Aqk[:, :, rows] @ Vp, 1, 2)
+    S = sdec[:, :, c, :, None] * S + np.swapaxes(kd[:, :, rows], -1, -2) @ Vp
+  return o, S
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def smem_limit(limit):
+  """Mosaic GPU's context manager that lowers its shared-memory limit for tests (a private jax API; None
+  where it moved)."""
+  try:
+    from jax.experimental.mosaic.gpu.core import artificial_shared_memory_limit
+  except ImportError:
+    return None
+  return artificial_shared_memory_limit(limit)
+
+
+def races_found():
+  """Whether the interpreter's race detector saw a race since the last reset (a private jax API; None
+  where it moved)."""
+  try:
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+  except ImportError:
+    return None
+  return interpret_pallas_call.get_races().races_found
+
+
+# (chunk, V width, V block, slots, input dtype): the padded chunk (32 and 16 rows fill half and a
+# quarter of a wgmma tile), two stacked tiles (64), rings that wrap and one slot, several V blocks.
+CASES = [(64, 64, 32, 2, jnp.float32), (32, 64, 16, 3, jnp.bfloat16), (16, 128, 64, 1, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("C,V,block_v,stages,dtype", CASES)
+def test_matches_the_recurrence_and_the_triton_scan(C, V, block_v, stages, dtype):
+  """Against float64 within bf16 operand rounding (the port's products take bf16 operands, float32
+  inputs too), and against the Triton scan with bf16 products to float32 rounding: the same operands in
+  the same products. No races between the chunk loads, the products and the output stores."""
+  inputs = scan_inputs(0, B=1, H=2, N=5, C=C, K=64, V=V, dtype=dtype)
+  o, S, states, Vp = scan_forward_mosaic(*inputs, out_dtype=jnp.float32, block_v=block_v, stages=stages,
+                                         interpret=plgpu.InterpretGPUParams(detect_races=True))
+  assert races_found() in (False, None)
+  assert states is None and Vp is None
+  o_ref, S_ref = recurrence(*inputs)
+  assert o.shape == o_ref.shape and S.shape == S_ref.shape
+  assert rel(o, o_ref) < 1e-2 and rel(S, S_ref) < 1e-2
+  o_tr, S_tr = scan_forward(*inputs, out_dtype=jnp.float32, block_v=block_v, big="bf16", interpret=True,
+                            tuning=Tuning())[:2]
+  assert rel(o, o_tr) < 1e-5 and rel(S, S_tr) < 1e-5
+
+
+def test_bf16_output():
+  inputs = scan_inputs(1, B=2, H=1, N=3, C=32, K=64, V=32, dtype=jnp.bfloat16)
+  o, S = scan_forward_mosaic(*inputs, out_dtype=jnp.bfloat16, block_v=32, interpret=True)[:2]
+  o_ref, S_ref = recurrence(*inputs)
+  assert o.dtype == jnp.bfloat16 and S.dtype == jnp.float32
+  assert rel(o, o_ref) < 1e-2 and rel(S, S_ref) < 1e-2
+
+
+# (chunk, V width, V block, slots, input dtype): both chunks the op runs, three and two V blocks, rings
+# that wrap (5 chunks).
+KEEP_CASES = [(32, 48, 16, 3, jnp.bfloat16), (64, 64, 32, 2, jnp.float32)]
+
+
+@pytest.mark.parametrize("C,V,block_v,stages,dtype", KEEP_CASES)
+def test_keep_mode_matches_the_triton_scan(C, V, block_v, stages, dtype):
+  """states and V' are the Triton scan's: both round to bf16 the state entering the chunk and U - W S from
+  the same bf16 operands, so they differ only where the two float32 sums, added in another order, round
+  to neighbouring bf16 values. o and the final state are those of the run without keep mode. No races
+  between the single-buffered state and V' tiles and their stores."""
+  inputs = scan_inputs(2, B=1, H=2, N=5, C=C, K=64, V=V, dtype=dtype)
+  o, S, states, Vp = scan_forward_mosaic(*inputs, out_dtype=jnp.float32, block_v=block_v, stages=stages,
+                                         states_dtype=jnp.bfloat16,
+                                         interpret=plgpu.InterpretGPUParams(detect_races=True))
+  assert races_found() in (False, None)
+  _, _, states_tr, Vp_tr = scan_forward(*inputs, out_dtype=jnp.float32, block_v=block_v, big="bf16",
+                                        states_dtype=jnp.bfloat16, interpret=True, tuning=Tuning())
+  for x, x_tr in ((states, states_tr), (Vp, Vp_tr)):
+    assert x.dtype == jnp.bfloat16 and x.shape == x_tr.shape
+    x, x_tr = np.asarray(x, np.float32), np.asarray(x_tr, np.float32)
+    assert np.mean(x != x_tr) < 1e-3
+    np.testing.assert_allclose(x, x_tr, rtol=2.0**-7, atol=0)  # one bf16 ulp
+  o_plain, S_plain = scan_forward_mosaic(*inputs, out_dtype=jnp.float32, block_v=block_v, stages=stages,
+                                         interpret=True)[:2]
+  np.testing.assert_array_equal(o, o_plain)
+  np.testing.assert_array_equal(S, S_plain)
+
+
+def test_keep_mode_is_bf16_only():
+  inputs = scan_inputs(0, B=1, H=1, N=2, C=32, K=64, V=32, dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="states_dtype"):
+    scan_forward_mosaic(*inputs, out_dtype=jnp.bfloat16, block_v=32, states_dtype=jnp.float32, interpret=True)
+
+
+@pytest.mark.parametrize("K,C,block_v,V",
+                         [(96, 32, 16, 64), (64, 24, 16, 64), (64, 32, 8, 64), (64, 32, 32, 48)])
+def test_rejects_shapes_it_cannot_tile(K, C, block_v, V):
+  inputs = scan_inputs(0, B=1, H=1, N=2, C=C, K=K, V=V, dtype=jnp.bfloat16)
+  with pytest.raises(ValueError):
+    scan_forward_mosaic(*inputs, out_dtype=jnp.bfloat16, block_v=block_v, interpret=True)
+
+
+@pytest.mark.parametrize("stages,keep", [(2, False), (3, False), (2, True)])
+@pytest.mark.parametrize("block_v", [16, 32, 64])
+@pytest.mark.parametrize("C", [32, 64])
+def test_lowers_for_cuda_at_the_benchmark_shapes(C, block_v, stages, keep):
+  """B=2 T=8192 H=16 K=V=128 as benchmarks/kda_backend.py runs it, and with keep mode as training runs it:
+  Mosaic GPU lowers the kernel (what the GPU adds is ptxas) and counts the shared memory smem_bytes
+  predicts, to the byte, so it refuses exactly the settings smem_bytes puts past the H200's."""
+  B, H, T, D = 2, 16, 8192, 128
+  sd = jax.ShapeDtypeStruct
+  bf = jnp.bfloat16
+  args = (sd((B, H, T, D), bf), sd((B, H, T, D), bf), sd((B, H, T, D), bf), sd((B, H, T, D), bf),
+          sd((B, H, T, C), bf), sd((B, H, T // C, D), jnp.float32), sd((B, H, D, D), jnp.float32))
+  states_dtype = bf if keep else None
+  f = jax.jit(lambda *a: scan_forward_mosaic(*a, out_dtype=bf, block_v=block_v, stages=stages,
+                                             states_dtype=states_dtype))
+  lower = lambda: f.trace(*args).lower(lowering_platforms=("cuda",))
+  need = smem_bytes(D, C, block_v, stages, bf)
+  if need > H200_SMEM:
+    with pytest.raises(ValueError, match=f"shared memory: smem_bytes={need} "):
+      lower()
+    return
+  # One byte short, before the lowering that succeeds (which a later lowering could reuse).
+  if (short := smem_limit(need - 1)) is not None:
+    with short, pytest.raises(ValueError, match=f"shared memory: smem_bytes={need} "):
+      lower()
+  assert "mosaic_gpu" in lower().as_text()
+
+
+@pytest.mark.parametrize("K,C,block_v,store_dtype,stages,why", [
+    (128, 32, 32, jnp.bfloat16, 2, None), (128, 64, 64, jnp.bfloat16, 2, None),
+    (128, 32, 32, jnp.float32, 2, "bf16"), (96, 32, 32, jnp.bfloat16, 2, "multiple of 64"),
+    (128, 64, 64, jnp.bfloat16, 3, "shared memory"), (128, 128, 32, jnp.bfloat16, 2, "shared memory")])
+def test_unsupported(K, C, block_v, store_dtype, stages, why):
+  got = unsupported(K, C, block_v, 128, store_dtype, stages)
+  assert got is None if why is None else why in got
+
+
+def test_backend_benchmark_smoke():
+  """`kda_backend.py --smoke` on the CPU: every row runs (interpret mode, both lowerings, no times) and the
+  Mosaic rows agree with the Triton rows."""
+  cmd = [sys.executable, str(ROOT / "benchmarks" / "kda_backend.py"), "--smoke", "--chunks", "32", "64",
+         "--block-v", "16", "32", "--stages", "2"]
+  out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "failed" not in out.stdout, out.stdout
+  table = out.stdout[out.stdout.index("| backend |"):]
+  rows = [line.split(" | ") for line in table.splitlines() if line.startswith(("| Triton", "| Mosaic"))]
+  assert len(rows) == 8, table
+  for cells in rows:
+    assert float(cells[-1].rstrip(" |")) < 1e-2, cells  # against the float32 recurrence
+    if cells[0] == "| Mosaic GPU":
+      assert float(cells[-2]) < 1e-3, cells  # against Triton
+
+
+def test_benchmark_section_is_replaced_in_place(tmp_path):
+  """--out writes a ### section: appended once, then replaced up to the next heading of level 2 or 3."""
+  path = tmp_path / "B.md"
+  path.write_text("# Benchmarks\n\n## KDA kernel\n\nk\n")
+  write_subsection(str(path), TITLE, "old")
+  assert path.read_text() == f"# Benchmarks\n\n## KDA kernel\n\nk\n\n{TITLE}\n\nold\n"
+  path.write_text(path.read_text() + "\n### Next\n\nn\n")
+  write_subsection(str(path), TITLE, "new")
+  assert path.read_text() == f"# Benchmarks\n\n## KDA kernel\n\nk\n\n{TITLE}\n\nnew\n\n### Next\n\nn\n"
