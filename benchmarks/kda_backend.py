@@ -17,14 +17,13 @@ ends the run with a traceback, after the rows before it were printed.
 import faulthandler
 import functools
 import pathlib
-import re
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from benchmarks.report import kernel_benchmark_args, provenance  # noqa: E402
+from benchmarks.report import kernel_benchmark_args, provenance, replace_section  # noqa: E402
 from benchmarks.timing import time_ms  # noqa: E402
 
-TITLE = "### Pallas backend: Triton vs Mosaic GPU"
+TITLE = "Pallas backend: Triton vs Mosaic GPU"  # a ### section, inside "KDA kernel"
 SHAPE = dict(B=2, T=8192, H=16, D=128)
 SMOKE_SHAPE = dict(B=1, T=128, H=1, D=64)  # the port needs K >= 64; 2-4 chunks per row
 
@@ -101,20 +100,6 @@ def short(e: Exception) -> str:
   msg = " ".join(str(e).split())
   msg = msg if len(msg) <= 700 else msg[:300] + " ... " + msg[-400:]
   return f"{type(e).__name__}: {msg}"
-
-
-def write_subsection(path: str, title: str, body: str) -> None:
-  """Writes `title` (a ### heading) + body into the markdown file, replacing that subsection (up to the next
-  heading of level 2 or 3) if present, else appending it."""
-  p = pathlib.Path(path)
-  text = p.read_text() if p.exists() else "# Benchmarks\n"
-  section = f"{title}\n\n{body.strip()}\n"
-  pattern = re.compile(rf"^{re.escape(title)}\n.*?(?=^##? |^### |\Z)", re.S | re.M)
-  if pattern.search(text):
-    text = pattern.sub(lambda _: section + "\n", text, count=1)
-  else:
-    text = text.rstrip("\n") + "\n\n" + section
-  p.write_text(text.rstrip("\n") + "\n")
 
 
 CAPTION = ("The forward state scan alone (W, U, qg, kd, A_qk, sdec from the forward prep kernel; "
@@ -204,7 +189,7 @@ def main():
            *("| " + " | ".join(r) + " |" for r in rows)]
   print("\n" + "\n".join(lines))
   if args.out:
-    write_subsection(args.out, TITLE, "\n".join(lines))
+    replace_section(args.out, TITLE, "\n".join(lines), level=3)
     print(f"wrote the '{TITLE}' section of {args.out}")
 
 

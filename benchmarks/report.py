@@ -10,12 +10,14 @@ import sys
 import numpy as np
 
 
-def replace_section(path: str, title: str, body: str) -> None:
-  """Writes `## title` + body into the Markdown file, replacing that section if present."""
+def replace_section(path: str, title: str, body: str, level: int = 2) -> None:
+  """Writes `## title` (`###` at level 3) + body into the Markdown file, replacing that section, up to
+  the next heading of its level or above, if present."""
   p = pathlib.Path(path)
   text = p.read_text() if p.exists() else "# Benchmarks\n"
-  section = f"## {title}\n\n{body.strip()}\n"
-  pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
+  heading = "#" * level
+  section = f"{heading} {title}\n\n{body.strip()}\n"
+  pattern = re.compile(rf"^{heading} {re.escape(title)}\n.*?(?=^#{{1,{level}}} |\Z)", re.S | re.M)
   if pattern.search(text):
     text = pattern.sub(lambda _: section + "\n", text, count=1)
   else:

@@ -17,7 +17,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.kda_backend import TITLE, write_subsection  # noqa: E402
+from benchmarks.kda_backend import TITLE  # noqa: E402
+from benchmarks.report import replace_section  # noqa: E402
 from pallas_kernels.kda.mosaic_scan import scan_forward_mosaic, smem_bytes, unsupported  # noqa: E402
 from pallas_kernels.kda.pallas_backend import Tuning  # noqa: E402
 from pallas_kernels.kda.pallas_scan import scan_forward  # noqa: E402
@@ -209,8 +210,11 @@ def test_benchmark_section_is_replaced_in_place(tmp_path):
   """--out writes a ### section: appended once, then replaced up to the next heading of level 2 or 3."""
   path = tmp_path / "B.md"
   path.write_text("# Benchmarks\n\n## KDA kernel\n\nk\n")
-  write_subsection(str(path), TITLE, "old")
-  assert path.read_text() == f"# Benchmarks\n\n## KDA kernel\n\nk\n\n{TITLE}\n\nold\n"
+  replace_section(str(path), TITLE, "old", level=3)
+  assert path.read_text() == f"# Benchmarks\n\n## KDA kernel\n\nk\n\n### {TITLE}\n\nold\n"
   path.write_text(path.read_text() + "\n### Next\n\nn\n")
-  write_subsection(str(path), TITLE, "new")
-  assert path.read_text() == f"# Benchmarks\n\n## KDA kernel\n\nk\n\n{TITLE}\n\nnew\n\n### Next\n\nn\n"
+  replace_section(str(path), TITLE, "new", level=3)
+  assert path.read_text() == f"# Benchmarks\n\n## KDA kernel\n\nk\n\n### {TITLE}\n\nnew\n\n### Next\n\nn\n"
+  path.write_text(path.read_text() + "\n## Other\n\no\n")
+  replace_section(str(path), TITLE, "newer", level=3)
+  assert path.read_text().endswith(f"### {TITLE}\n\nnewer\n\n### Next\n\nn\n\n## Other\n\no\n")
