@@ -208,6 +208,8 @@ def test_state_pass_lowering_follows_what_mosaic_supports():
     Config(scan_fwd_lowering="mosaic").scan_lowering(32, 128, 128, f32)
   with pytest.raises(ValueError, match="scan_fwd_lowering must be"):
     Config(scan_fwd_lowering="cuda")
+  with pytest.raises(ValueError, match="mosaic_slots must be a positive int"):
+    Config(mosaic_slots=0)
 
 
 def test_bad_inputs_raise_clear_errors():

@@ -1,6 +1,7 @@
 """KDA through the Pallas kernels, with a custom VJP (DESIGN §2; kernels in pallas_prep and pallas_scan).
 
-Forward: prep_forward (parallel over chunks) -> scan_forward (sequential over chunks).
+Forward: prep_forward (parallel over chunks) -> scan_forward (sequential over chunks; on Mosaic GPU,
+mosaic_scan.scan_forward_mosaic, where Config.scan_lowering picks it).
 Backward: scan_backward (reverse sequential) -> state_grads -> prep_backward (both parallel over chunks).
 The forward keeps the per-chunk W, qg, kd, A_qk, sdec, V', the state entering each chunk, and the solve
 (strict S_kk and Linv, float32 [C,C] per chunk) so that the backward pass does not redo it.
@@ -46,6 +47,8 @@ class Config:
       n = getattr(self, name)
       if n is not None and (not isinstance(n, int) or n < 16 or n & (n - 1)):
         raise ValueError(f"Config.{name} must be a power of two >= 16 (Triton tiles), got {n!r}")
+    if not isinstance(self.mosaic_slots, int) or self.mosaic_slots < 1:
+      raise ValueError(f"Config.mosaic_slots must be a positive int, got {self.mosaic_slots!r}")
     if self.scan_fwd_lowering not in (None, "triton", "mosaic"):
       raise ValueError(f"Config.scan_fwd_lowering must be None, 'triton' or 'mosaic', got "
                        f"{self.scan_fwd_lowering!r}")
