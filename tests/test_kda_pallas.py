@@ -197,6 +197,17 @@ def test_mosaic_state_pass_matches_triton_in_the_op():
     assert rel_err(a, e) <= 1e-2
 
 
+def test_interpret_mode_differentiates_under_remat_at_mosaic_shapes():
+  """Shapes where the GPU would take the Mosaic state pass (bf16, K = V = 64): in interpret mode the
+  default lowering still differentiates inside jax.checkpoint, as the 1M configs' remat needs (Mosaic's
+  interpreter, with its ordered I/O callbacks, cannot)."""
+  qkvgb, _, _ = make_inputs(7, 1, 32, 1, 64, 64, dtype=jnp.bfloat16)
+  loss = jax.checkpoint(lambda *a: jnp.sum(chunk_kda(*a, chunk_size=32, implementation="interpret")[0]
+                                            .astype(jnp.float32)))
+  grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(*qkvgb)
+  assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in grads)
+
+
 def test_state_pass_lowering_follows_what_mosaic_supports():
   bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
   assert Config().scan_lowering(32, 128, 128, bf16) == "mosaic"
@@ -204,6 +215,8 @@ def test_state_pass_lowering_follows_what_mosaic_supports():
   assert Config().scan_lowering(32, 128, 128, f32) == "triton"   # exact float32 products
   assert Config().scan_lowering(32, 32, 32, bf16) == "triton"    # K below one wgmma tile
   assert Config(scan_fwd_lowering="triton").scan_lowering(32, 128, 128, bf16) == "triton"
+  assert Config().scan_lowering(32, 128, 128, bf16, interpret=True) == "triton"  # see scan_lowering
+  assert Config(scan_fwd_lowering="mosaic").scan_lowering(32, 128, 128, bf16, interpret=True) == "mosaic"
   with pytest.raises(ValueError, match="scan_fwd_lowering='mosaic' cannot run here.*bf16"):
     Config(scan_fwd_lowering="mosaic").scan_lowering(32, 128, 128, f32)
   with pytest.raises(ValueError, match="scan_fwd_lowering must be"):

@@ -37,8 +37,8 @@ class Config:
   scan_fwd: Tuning | None = None
   scan_bwd: Tuning | None = None
   # Lowering of the forward state pass: "triton", "mosaic" (mosaic_scan, wgmma), or None: Mosaic GPU
-  # where it applies (`scan_lowering`), else Triton. On the H200 (BENCHMARKS.md, "Pallas backend")
-  # the Mosaic scan took 0.272 ms against Triton's 0.389 at B=2 T=8192 H=16, chunk 32.
+  # where it applies on the GPU (`scan_lowering`), else Triton. On the H200 (BENCHMARKS.md, "Pallas
+  # backend") the Mosaic scan took 0.272 ms against Triton's 0.389 at B=2 T=8192 H=16, chunk 32.
   scan_fwd_lowering: str | None = None
   mosaic_slots: int = 2         # chunks in flight in the Mosaic scan's TMA ring (2 and 3 timed alike)
 
@@ -68,14 +68,17 @@ class Config:
     return dataclasses.replace(self, **{name: getattr(self, name) or tuning
                                         for name, tuning in measured.items()})
 
-  def scan_lowering(self, chunk: int, K: int, V: int, store_dtype) -> str:
-    """The forward state pass's lowering for these shapes; raises if Mosaic was asked where it cannot run."""
+  def scan_lowering(self, chunk: int, K: int, V: int, store_dtype, interpret: bool = False) -> str:
+    """The forward state pass's lowering for these shapes; raises if Mosaic was asked where it cannot run.
+    In interpret mode the default is Triton: Mosaic GPU's interpreter runs through ordered I/O callbacks,
+    which JAX cannot differentiate inside remat (the 1M configs' `model.remat`), so it runs only when
+    asked for (as the tests do)."""
     why = mosaic_scan.unsupported(K, chunk, self.mosaic_block_v(V), V, store_dtype, self.mosaic_slots)
     if self.scan_fwd_lowering == "mosaic" and why is not None:
       raise ValueError(f"Config.scan_fwd_lowering='mosaic' cannot run here: {why}")
     if self.scan_fwd_lowering is not None:
       return self.scan_fwd_lowering
-    return "triton" if why is not None else "mosaic"
+    return "triton" if why is not None or interpret else "mosaic"
 
   def mosaic_block_v(self, V: int) -> int:
     """The Mosaic scan's V block: 32 columns (16 took 1.8x as long at B=2 T=8192 H=16, chunk 32)."""
@@ -121,7 +124,7 @@ def _forward(st: _Static, q, k, v, g, beta, S0, doc, keep: bool):
                                                  store_dtype=st.store_dtype, interpret=st.interpret,
                                                  tuning=st.cfg.prep_fwd, keep_solve=keep)
   states_dtype = st.store_dtype if keep else None
-  if st.cfg.scan_lowering(st.chunk, K, V, st.store_dtype) == "mosaic":
+  if st.cfg.scan_lowering(st.chunk, K, V, st.store_dtype, st.interpret) == "mosaic":
     o, S_fin, states, Vp = mosaic_scan.scan_forward_mosaic(
         W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype, block_v=st.cfg.mosaic_block_v(V),
         stages=st.cfg.mosaic_slots, states_dtype=states_dtype, interpret=st.interpret)
