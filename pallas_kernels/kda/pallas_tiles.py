@@ -274,9 +274,9 @@ def _route_to_gates(tile_docs, dG: list, dGC, prec_exact: str):
 
 def prep_vjp(q: Chunk, k: Chunk, v: Chunk, g: Gates, b: Rows, code: Rows, scale: float, prec: Precision,
              d: Prep, scratch: Scratch, put: Grads):
-  """Cotangents of (q, k, v, g, b) from those of prep's outputs (d: sources shaped like prep's sinks,
-  except d.Aqk() -> the whole [C,C]). The forward pass's solve comes in the scratch: "A" (strict S_kk,
-  as solve_setup leaves it) and "L" (Linv), so it is not recomputed.
+  """Cotangents of (q, k, v, g, b) from those of prep's outputs (d: sources by whole column block,
+  d.Aqk() -> the whole [C,C]). The forward pass's solve comes in the scratch: "A" (strict S_kk, not
+  scaled by b) and "L" (Linv), as pallas_tiles_fwd.prep keeps them, so it is not recomputed.
 
   Hand-derived so that it stays dots and element-wise math:
     dR = Linv^T dWU,  dA_kk = -mask(dR WU^T),  and for S[i,j] = sum_d x_id y_jd e^{G_id - G_jd}
