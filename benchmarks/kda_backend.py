@@ -1,17 +1,20 @@
-"""Pallas lowering for the KDA kernels, measured on one of them: the forward state scan on the Triton
-lowering (pallas_kernels.kda.pallas_scan.scan_forward, the op's launch parameters) against its Mosaic GPU
-port (pallas_kernels.kda.mosaic_scan), same inputs, same V blocks, one GPU, one process.
+"""Pallas lowering for the KDA kernels, measured on the state scans: forward and backward on the Triton
+lowering (pallas_kernels.kda.pallas_scan.scan_forward / scan_backward, the op's launch parameters) against
+their Mosaic GPU ports (pallas_kernels.kda.mosaic_scan), same inputs, same V blocks, one GPU, one process.
 
     python3 benchmarks/kda_backend.py --out $OUT/kda_backend.md  # GPU: the table, as a ### section
     python3 benchmarks/kda_backend.py --smoke                    # CPU: tiny shapes, interpret mode, no times
 
 Inputs come from the op's forward prep kernel on random q, k, v, g (gates in [-5, 0)) and beta drawn as
 benchmarks/kda.py draws them (B=2 T=8192 H=16 K=V=128 bf16), plus a random initial state, so the scan
-sees the value ranges it sees in the op. Times: medians of back-to-back calls (benchmarks/timing.time_ms).
-Errors: ||x - y|| / ||y|| over o and the final state (the worse of the two), against the Triton scan at
-the same chunk and V block, and against a float32 XLA recurrence. A setting that fails (compilation,
-shared memory, a run-time error) prints its error and the run goes on; one that hangs past --row-timeout
-ends the run with a traceback, after the rows before it were printed.
+sees the value ranges it sees in the op; the backward scan takes those A_qk, kd, W, qg, sdec with a random
+bf16 dO and a random float32 cotangent of the final state. Times: medians of back-to-back calls
+(benchmarks/timing.time_ms). Errors: ||x - y|| / ||y||, the worse over o and the final state (forward) or
+over dV', the per-chunk dS and dS0 (backward), against the Triton scan at the same chunk and V block, and
+against a float32 XLA recurrence. A setting that fails (compilation, shared memory, a run-time error)
+prints its error and the run goes on; one that hangs past --row-timeout ends the run with a traceback,
+after the rows before it were printed. Rows run Triton before Mosaic and forward before backward, so the
+newest kernel, the Mosaic backward scan, cannot take the others down with it.
 """
 
 import faulthandler
@@ -81,6 +84,42 @@ def reference(W, U, qg, kd, Aqk, sdec, S0):
   return jnp.moveaxis(o, 0, 2).reshape(B, H, T, -1).swapaxes(1, 2), S
 
 
+def make_backward_inputs(scan_inputs):
+  """(dO, Aqk, kd, W, qg, sdec, dSfin) for the backward scan: the forward's operands, a random bf16 dO
+  [B,T,H,V] and a random float32 cotangent of the final state."""
+  import jax
+  import jax.numpy as jnp
+
+  W, U, qg, kd, Aqk, sdec, S0 = scan_inputs
+  B, H, T, _ = W.shape
+  dO = jax.random.normal(jax.random.key(10), (B, T, H, U.shape[-1])).astype(jnp.bfloat16)
+  dSfin = jax.random.normal(jax.random.key(11), S0.shape, jnp.float32)
+  return dO, Aqk, kd, W, qg, sdec, dSfin
+
+
+def reference_backward(dO, Aqk, kd, W, qg, sdec, dSfin):
+  """dV' [B,H,T,V], the cotangent of the state leaving each chunk [B,H,N,K,V] and dS0 of the backward
+  recurrence in float32 (exact float32 products), by XLA."""
+  import jax
+  import jax.numpy as jnp
+
+  B, H, T, K = W.shape
+  C = Aqk.shape[-1]
+  N = T // C
+  mm = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
+  tr = lambda x: jnp.swapaxes(x, -1, -2)
+  chunks = lambda x: jnp.moveaxis(x.astype(jnp.float32).reshape(B, H, N, C, -1), 2, 0)
+
+  def step(dS, xs):
+    dO, Aqk, kd, W, qg, sdec = xs
+    dVp = mm(tr(Aqk), dO) + mm(kd, dS)
+    return sdec[..., None] * dS + mm(tr(qg), dO) - mm(tr(W), dVp), (dVp, dS)
+
+  xs = (*map(chunks, (jnp.swapaxes(dO, 1, 2), Aqk, kd, W, qg)), jnp.moveaxis(sdec.astype(jnp.float32), 2, 0))
+  dS0, (dVp, dSn) = jax.lax.scan(step, dSfin.astype(jnp.float32), xs, reverse=True)
+  return jnp.moveaxis(dVp, 0, 2).reshape(B, H, T, -1), jnp.moveaxis(dSn, 0, 2), dS0
+
+
 @functools.cache
 def _rel_err():
   import jax
@@ -91,7 +130,7 @@ def _rel_err():
 
 
 def rel_err(outs, refs) -> float:
-  """The worse of ||a - b|| / ||b|| over (o, final state)."""
+  """The worst ||a - b|| / ||b|| over the outputs (o, final state; or dV', per-chunk dS, dS0)."""
   return max(float(_rel_err()(a, b)) for a, b in zip(outs, refs, strict=True))
 
 
@@ -102,14 +141,16 @@ def short(e: Exception) -> str:
   return f"{type(e).__name__}: {msg}"
 
 
-CAPTION = ("The forward state scan alone (W, U, qg, kd, A_qk, sdec from the forward prep kernel; "
-           "B={B} T={T} H={H} K=V={D} bf16, random initial state). Triton: pallas_scan.scan_forward with "
-           "the op's launch parameters for the chunk (Config.for_chunk). Mosaic GPU: "
-           "pallas_kernels/kda/mosaic_scan.py (wgmma, a TMA ring of chunk slots; one warpgroup per "
-           "program). ms: median of back-to-back calls. Errors: the worse of o and the final state, "
-           "||x - y|| / ||y||, against the Triton scan at the same chunk and V block and against a float32 "
-           "XLA recurrence.")
-HEADER = ("backend", "chunk", "block_v", "launch", "ms", "Mosaic/Triton", "err vs Triton", "err vs f32")
+CAPTION = ("The state scans alone (W, U, qg, kd, A_qk, sdec from the forward prep kernel; B={B} T={T} "
+           "H={H} K=V={D} bf16; forward: a random initial state; backward: random bf16 dO and float32 "
+           "final-state cotangent). Triton: pallas_scan.scan_forward / scan_backward with the op's launch "
+           "parameters for the chunk (Config.for_chunk). Mosaic GPU: pallas_kernels/kda/mosaic_scan*.py "
+           "(wgmma, a TMA ring of chunk slots; one warpgroup per program). ms: median of back-to-back "
+           "calls. Errors: ||x - y|| / ||y||, the worse of o and the final state (forward), the worst of "
+           "dV', the per-chunk dS and dS0 (backward), against the Triton scan at the same chunk and V block "
+           "and against a float32 XLA recurrence.")
+HEADER = ("pass", "backend", "chunk", "block_v", "launch", "ms", "Mosaic/Triton", "err vs Triton",
+          "err vs f32")
 
 
 def triton_scan(block_v, tuning, interpret):
@@ -132,12 +173,33 @@ def mosaic_scan(block_v, stages, interpret):
                                                 interpret=interpret)[:2])
 
 
+def triton_scan_backward(block_v, tuning, interpret):
+  import jax
+  import jax.numpy as jnp
+
+  from pallas_kernels.kda.pallas_scan import scan_backward
+
+  return jax.jit(lambda *a: scan_backward(*a, store_dtype=jnp.bfloat16, block_v=block_v, big="bf16",
+                                          interpret=interpret, tuning=tuning))
+
+
+def mosaic_scan_backward(block_v, stages, interpret):
+  import jax
+  import jax.numpy as jnp
+
+  from pallas_kernels.kda.mosaic_scan_bwd import scan_backward_mosaic
+
+  return jax.jit(lambda *a: scan_backward_mosaic(*a, store_dtype=jnp.bfloat16, block_v=block_v,
+                                                 stages=stages, interpret=interpret))
+
+
 def main():
   args = kernel_benchmark_args(__doc__.splitlines()[0], add_arguments)
   import jax
   import jax.numpy as jnp
 
   from pallas_kernels.kda.mosaic_scan import smem_bytes
+  from pallas_kernels.kda.mosaic_scan_bwd import smem_bytes_backward
   from pallas_kernels.kda.pallas_op import Config
 
   smoke = args.smoke
@@ -149,7 +211,7 @@ def main():
   fmt = lambda x: "-" if x is None else f"{x:.1e}"
   rows = []
 
-  def run_row(backend, C, bv, launch, fn, inputs, ref, base=None):
+  def run_row(pass_, backend, C, bv, launch, fn, inputs, ref, base=None):
     """Runs and times one setting and prints its row; returns (outputs, ms), or None where it failed."""
     faulthandler.dump_traceback_later(args.row_timeout, exit=True)
     try:
@@ -159,30 +221,41 @@ def main():
       errs = fmt(None if base is None else rel_err(out, base[0])), fmt(rel_err(out, ref))
       result = out, ms
     except Exception as e:  # noqa: BLE001  (a failing setting is a result; the others still run)
-      print(f"  {backend} chunk {C} block_v {bv} ({launch}) failed: {short(e)}", flush=True)
+      print(f"  {pass_} {backend} chunk {C} block_v {bv} ({launch}) failed: {short(e)}", flush=True)
       ms, ratio, errs, result = None, "-", ("-", "-"), None
     finally:
       faulthandler.cancel_dump_traceback_later()
-    rows.append((backend, str(C), f"{bv}{' (op default)' if bv == default_bv else ''}", launch,
+    rows.append((pass_, backend, str(C), f"{bv}{' (op default)' if bv == default_bv else ''}", launch,
                  "-" if ms is None else f"{ms:.3f}", ratio, *errs))
     print("| " + " | ".join(rows[-1]) + " |", flush=True)
     return result
 
   # Every Triton row first: a Mosaic kernel that faults the GPU cannot take the baseline with it.
   problems = {C: make_scan_inputs(B, T, H, D, C, interpret=smoke) for C in args.chunks}
+  problems_bwd = {C: make_backward_inputs(inputs) for C, inputs in problems.items()}
   refs = {C: jax.jit(reference)(*inputs) for C, inputs in problems.items()}
+  refs_bwd = {C: jax.jit(reference_backward)(*inputs) for C, inputs in problems_bwd.items()}
+  # Per pass: inputs and float32 references by chunk, the Triton and Mosaic scans, the Config field of the
+  # Triton launch parameters and the Mosaic port's shared memory.
+  passes = (("forward", problems, refs, triton_scan, mosaic_scan, "scan_fwd",
+             lambda C, bv, stages: smem_bytes(D, C, bv, stages, jnp.bfloat16)),
+            ("backward", problems_bwd, refs_bwd, triton_scan_backward, mosaic_scan_backward, "scan_bwd",
+             lambda C, bv, stages: smem_bytes_backward(D, C, bv, stages)))
   triton = {}
-  for C, inputs in problems.items():
-    tuning = Config().for_chunk(C).scan_fwd
-    for bv in block_vs:
-      launch = f"{tuning.num_warps} warps, {tuning.num_stages} stages"
-      triton[C, bv] = run_row("Triton", C, bv, launch, triton_scan(bv, tuning, smoke), inputs, refs[C])
-  for C, inputs in problems.items():
-    for bv in block_vs:
-      for stages in args.stages:
-        launch = f"{stages} slots, {smem_bytes(D, C, bv, stages, jnp.bfloat16) / 1024:.0f} KiB smem"
-        run_row("Mosaic GPU", C, bv, launch, mosaic_scan(bv, stages, smoke), inputs, refs[C],
-                base=triton[C, bv])
+  for pass_, inputs, ref, triton_fn, _, tuning_name, _ in passes:
+    for C in args.chunks:
+      tuning = getattr(Config().for_chunk(C), tuning_name)
+      for bv in block_vs:
+        launch = f"{tuning.num_warps} warps, {tuning.num_stages} stages"
+        triton[pass_, C, bv] = run_row(pass_, "Triton", C, bv, launch, triton_fn(bv, tuning, smoke),
+                                       inputs[C], ref[C])
+  for pass_, inputs, ref, _, mosaic_fn, _, smem in passes:
+    for C in args.chunks:
+      for bv in block_vs:
+        for stages in args.stages:
+          launch = f"{stages} slots, {smem(C, bv, stages) / 1024:.0f} KiB smem"
+          run_row(pass_, "Mosaic GPU", C, bv, launch, mosaic_fn(bv, stages, smoke), inputs[C], ref[C],
+                  base=triton[pass_, C, bv])
 
   lines = [*provenance(device), CAPTION.format(B=B, T=T, H=H, D=D), "",
            "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER),

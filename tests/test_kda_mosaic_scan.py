@@ -1,8 +1,8 @@
-"""The Mosaic GPU port of KDA's forward state scan (pallas_kernels.kda.mosaic_scan) on the CPU: Mosaic GPU
-interpret mode against a float64 loop over the recurrence and against the Triton scan in interpret mode
-(keep mode's states and V' too), with the interpreter's race detector watching the TMA slot ring and the
-stores; its lowering for CUDA at the benchmark's shapes (lowering needs no GPU: it catches layout, tiling
-and shared-memory errors before a GPU run); and benchmarks/kda_backend.py --smoke."""
+"""The Mosaic GPU ports of KDA's state scans (pallas_kernels.kda.mosaic_scan and mosaic_scan_bwd) on the
+CPU: Mosaic GPU interpret mode against float64 loops over the recurrences and against the Triton scans in
+interpret mode (keep mode's states and V' too), with the interpreter's race detector watching the TMA slot
+rings and the stores; their lowering for CUDA at the benchmark's shapes (lowering needs no GPU: it catches
+layout, tiling and shared-memory errors before a GPU run); and benchmarks/kda_backend.py --smoke."""
 
 import pathlib
 import subprocess
@@ -20,8 +20,13 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.kda_backend import TITLE  # noqa: E402
 from benchmarks.report import replace_section  # noqa: E402
 from pallas_kernels.kda.mosaic_scan import scan_forward_mosaic, smem_bytes, unsupported  # noqa: E402
+from pallas_kernels.kda.mosaic_scan_bwd import (  # noqa: E402
+  scan_backward_mosaic,
+  smem_bytes_backward,
+  unsupported_backward,
+)
 from pallas_kernels.kda.pallas_backend import Tuning  # noqa: E402
-from pallas_kernels.kda.pallas_scan import scan_forward  # noqa: E402
+from pallas_kernels.kda.pallas_scan import scan_backward, scan_forward  # noqa: E402
 
 H200_SMEM = 227 * 1024  # what one CUDA block may ask for on an H100 / H200
 
@@ -51,6 +56,33 @@ def recurrence(W, U, qg, kd, Aqk, sdec, S0):
     o[:, rows] = np.swapaxes(qg[:, :, rows] @ S + Aqk[:, :, rows] @ Vp, 1, 2)
     S = sdec[:, :, c, :, None] * S + np.swapaxes(kd[:, :, rows], -1, -2) @ Vp
   return o, S
+
+
+def backward_inputs(seed, B, H, N, C, K, V, dtype):
+  """(dO, Aqk, kd, W, qg, sdec, dSfin) for the backward scan: scan_inputs' operands, dO [B,T,H,V] of
+  order one in `dtype` and a float32 cotangent of the final state."""
+  W, _, qg, kd, Aqk, sdec, dSfin = scan_inputs(seed, B, H, N, C, K, V, dtype)
+  dO = jnp.asarray(np.random.default_rng(seed + 1).normal(size=(B, N * C, H, V)), dtype)
+  return dO, Aqk, kd, W, qg, sdec, dSfin
+
+
+def recurrence_backward(dO, Aqk, kd, W, qg, sdec, dSfin):
+  """dV' [B,H,T,V], the cotangent of the state leaving each chunk [B,H,N,K,V] and dS0, chunk by chunk from
+  the last in float64."""
+  dO, Aqk, kd, W, qg, sdec, dS = (np.asarray(x, np.float64) for x in (dO, Aqk, kd, W, qg, sdec, dSfin))
+  B, H, T, K = W.shape
+  C = Aqk.shape[-1]
+  N = T // C
+  dO = np.swapaxes(dO, 1, 2)
+  tr = lambda x: np.swapaxes(x, -1, -2)
+  dVp, dSn = np.zeros(dO.shape), np.zeros((B, H, N, K, dO.shape[-1]))
+  for c in reversed(range(N)):
+    rows = slice(c * C, (c + 1) * C)
+    dSn[:, :, c] = dS
+    dVp[:, :, rows] = tr(Aqk[:, :, rows]) @ dO[:, :, rows] + kd[:, :, rows] @ dS
+    dS = (sdec[:, :, c, :, None] * dS + tr(qg[:, :, rows]) @ dO[:, :, rows]
+          - tr(W[:, :, rows]) @ dVp[:, :, rows])
+  return dVp, dSn, dS
 
 
 def rel(a, b):
@@ -189,20 +221,95 @@ def test_unsupported(K, C, block_v, store_dtype, stages, why):
   assert got is None if why is None else why in got
 
 
+# (chunk, V width, V block, slots, chunks, input dtype): the padded chunk (32 and 16 rows fill half and
+# a quarter of a wgmma tile, and A_qk arrives in 8-row bands), an unpadded one, rings that wrap, one slot,
+# more slots than chunks, several V blocks.
+BWD_CASES = [(32, 64, 16, 3, 5, jnp.bfloat16), (64, 64, 32, 2, 5, jnp.float32),
+             (16, 32, 16, 1, 5, jnp.bfloat16), (32, 32, 32, 4, 2, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("C,V,block_v,stages,N,dtype", BWD_CASES)
+def test_backward_matches_the_recurrence_and_the_triton_scan(C, V, block_v, stages, N, dtype):
+  """Against float64 within bf16 rounding (bf16 operands and stores), and against the Triton scan with
+  bf16 products: both round dS and dV' to bf16 for the products and the stores alike, so most stored
+  values agree bit for bit; where the two float32 sums, added in another order, round a dV' to the
+  neighbouring bf16 value, the next chunks' dS differ a little, hence norms rather than ulps. No races
+  between the chunk loads, the products and the stores from the single-buffered dS and dV' tiles."""
+  inputs = backward_inputs(3, B=1, H=2, N=N, C=C, K=64, V=V, dtype=dtype)
+  out = scan_backward_mosaic(*inputs, store_dtype=jnp.bfloat16, block_v=block_v, stages=stages,
+                             interpret=plgpu.InterpretGPUParams(detect_races=True))
+  assert races_found() in (False, None)
+  refs = recurrence_backward(*inputs)
+  triton = scan_backward(*inputs, store_dtype=jnp.bfloat16, block_v=block_v, big="bf16", interpret=True,
+                         tuning=Tuning())
+  for x, x_ref, x_tr, dtype_out in zip(out, refs, triton, (jnp.bfloat16, jnp.bfloat16, jnp.float32),
+                                       strict=True):
+    assert x.dtype == dtype_out and x.shape == x_ref.shape == x_tr.shape
+    assert rel(x, x_ref) < 1e-2
+    assert rel(x, x_tr) < 1e-3
+  for x, x_tr in zip(out[:2], triton[:2], strict=True):
+    assert np.mean(np.asarray(x, np.float32) != np.asarray(x_tr, np.float32)) < 1e-2
+
+
+def test_backward_stores_bf16_only():
+  inputs = backward_inputs(0, B=1, H=1, N=2, C=32, K=64, V=32, dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="store_dtype"):
+    scan_backward_mosaic(*inputs, store_dtype=jnp.float32, block_v=32, interpret=True)
+
+
+@pytest.mark.parametrize("K,C,block_v,V",
+                         [(96, 32, 16, 64), (64, 24, 16, 64), (64, 32, 8, 64), (64, 32, 32, 48)])
+def test_backward_rejects_shapes_it_cannot_tile(K, C, block_v, V):
+  inputs = backward_inputs(0, B=1, H=1, N=2, C=C, K=K, V=V, dtype=jnp.bfloat16)
+  with pytest.raises(ValueError):
+    scan_backward_mosaic(*inputs, store_dtype=jnp.bfloat16, block_v=block_v, interpret=True)
+
+
+@pytest.mark.parametrize("block_v", [16, 32, 64])
+@pytest.mark.parametrize("C", [32, 64])
+def test_backward_lowers_for_cuda_at_the_benchmark_shapes(C, block_v):
+  """B=2 T=8192 H=16 K=V=128 as benchmarks/kda_backend.py and training run it, two slots: Mosaic GPU lowers
+  the kernel and counts the shared memory smem_bytes_backward predicts, to the byte."""
+  B, H, T, D = 2, 16, 8192, 128
+  sd = jax.ShapeDtypeStruct
+  bf = jnp.bfloat16
+  args = (sd((B, T, H, D), bf), sd((B, H, T, C), bf), sd((B, H, T, D), bf), sd((B, H, T, D), bf),
+          sd((B, H, T, D), bf), sd((B, H, T // C, D), jnp.float32), sd((B, H, D, D), jnp.float32))
+  f = jax.jit(lambda *a: scan_backward_mosaic(*a, store_dtype=bf, block_v=block_v, stages=2))
+  lower = lambda: f.trace(*args).lower(lowering_platforms=("cuda",))
+  need = smem_bytes_backward(D, C, block_v, 2)
+  assert need <= H200_SMEM
+  if (short := smem_limit(need - 1)) is not None:
+    with short, pytest.raises(ValueError, match=f"shared memory: smem_bytes={need} "):
+      lower()
+  assert "mosaic_gpu" in lower().as_text()
+
+
+@pytest.mark.parametrize("K,C,block_v,store_dtype,stages,why", [
+    (128, 32, 32, jnp.bfloat16, 2, None), (128, 64, 64, jnp.bfloat16, 3, None),
+    (128, 32, 32, jnp.float32, 2, "bf16"), (96, 32, 32, jnp.bfloat16, 2, "multiple of 64"),
+    (128, 64, 128, jnp.bfloat16, 3, "shared memory"), (128, 128, 32, jnp.bfloat16, 2, "shared memory")])
+def test_unsupported_backward(K, C, block_v, store_dtype, stages, why):
+  got = unsupported_backward(K, C, block_v, 128, store_dtype, stages)
+  assert got is None if why is None else why in got
+
+
 def test_backend_benchmark_smoke():
-  """`kda_backend.py --smoke` on the CPU: every row runs (interpret mode, both lowerings, no times) and the
-  Mosaic rows agree with the Triton rows."""
+  """`kda_backend.py --smoke` on the CPU: every row runs (interpret mode, both lowerings, both passes, no
+  times) and the Mosaic rows agree with the Triton rows."""
   cmd = [sys.executable, str(ROOT / "benchmarks" / "kda_backend.py"), "--smoke", "--chunks", "32", "64",
          "--block-v", "16", "32", "--stages", "2"]
   out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "failed" not in out.stdout, out.stdout
-  table = out.stdout[out.stdout.index("| backend |"):]
-  rows = [line.split(" | ") for line in table.splitlines() if line.startswith(("| Triton", "| Mosaic"))]
-  assert len(rows) == 8, table
+  table = out.stdout[out.stdout.index("| pass |"):]
+  rows = [line.split(" | ") for line in table.splitlines() if line.startswith(("| forward", "| backward"))]
+  assert len(rows) == 16, table
+  assert sorted((cells[0], cells[1]) for cells in rows) == sorted(
+      (p, backend) for p in ("| forward", "| backward") for backend in ("Triton", "Mosaic GPU") * 4)
   for cells in rows:
     assert float(cells[-1].rstrip(" |")) < 1e-2, cells  # against the float32 recurrence
-    if cells[0] == "| Mosaic GPU":
+    if cells[1] == "Mosaic GPU":
       assert float(cells[-2]) < 1e-3, cells  # against Triton
 
 

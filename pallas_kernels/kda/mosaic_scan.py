@@ -1,8 +1,12 @@
-"""The forward inter-chunk state pass of KDA (pallas_scan.scan_forward) on the Mosaic GPU lowering, so that
-the two Pallas lowerings can be measured side by side on one kernel (benchmarks/kda_backend.py).
+"""The inter-chunk state passes of KDA on the Mosaic GPU lowering: here the forward
+(pallas_scan.scan_forward) and the helpers both passes share, in mosaic_scan_bwd the backward
+(pallas_scan.scan_backward), so that the two Pallas lowerings can be measured side by side
+(benchmarks/kda_backend.py). The op runs the forward port where it applies
+(pallas_op.Config.scan_lowering); the backward port is not wired into the op until a GPU has timed it.
 
-Same recurrence and grid as the Triton version: one program (one warpgroup, one CUDA block) per
-(V block, head, batch row) walks the N = T/C chunks in order with a [K, BV] float32 state S:
+Forward (scan_forward_mosaic). Same recurrence and grid as the Triton version: one program (one
+warpgroup, one CUDA block) per (V block, head, batch row) walks the N = T/C chunks in order with a [K, BV]
+float32 state S:
   V' = U - W S,  O = qg S + A_qk V',  S <- sdec * S + kd^T V'.
 
 How it maps onto Hopper:
@@ -33,11 +37,14 @@ How it maps onto Hopper:
   tile uses 2 * min(BV, C, 64) bytes: BV = 16 forces the narrowest, 32 bytes; BV = 64 with C = 64 gets
   the full 128 bytes.
 
-Limits: K a multiple of 64 (the state is the M side of kd^T V'); C and BV powers of two >= 16, BV <= 256;
-shared memory (smem_bytes) within the H200's 227 KiB (SMEM_LIMIT), which at K = 128 rules out C = 128
-except with one slot; keep mode in bf16 only. `unsupported` applies these rules for the op.
-Interpret mode (interpret=True) runs the kernel on the CPU but executes wgmma and TMA stores
-synchronously, so it checks the data flow and the slot ring's barriers, not the asynchronous waits.
+Backward: mosaic_scan_bwd.
+
+Limits: K a multiple of 64 (the state is the M side of kd^T V', qg^T dO and W^T dV'); C and BV powers of
+two >= 16, BV <= 256; shared memory (smem_bytes, smem_bytes_backward) within the H200's 227 KiB
+(SMEM_LIMIT), which at K = 128 rules out C = 128 except with one slot; bf16 stores (keep mode's states and
+V', the backward's dV' and dS) only. `unsupported` and `unsupported_backward` apply these rules for the op.
+Interpret mode (interpret=True) runs the kernels on the CPU but executes wgmma and TMA stores
+synchronously, so it checks the data flow and the slot rings' barriers, not the asynchronous waits.
 """
 
 import functools
@@ -53,7 +60,7 @@ ROWS = 64  # wgmma M tile of one warpgroup
 SMEM_LIMIT = 227 * 1024  # shared memory one CUDA block may ask for on an H100 / H200
 
 
-def _transforms(dtype, width: int, max_elems: int | None = None):
+def smem_transforms(dtype, width: int, max_elems: int | None = None):
   """Tiling + swizzle of a shared-memory tile whose last dimension is `width` elements: the widest
   swizzle (<= 128 bytes, and <= max_elems elements when given) whose row of elements divides `width`."""
   size = jnp.dtype(dtype).itemsize
@@ -145,7 +152,7 @@ def scan_forward_mosaic(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int,
   sdec, S0 = sdec.astype(f32), S0.astype(f32)
   # One swizzle for every bf16 operand (see the docstring): B tiles are BV wide and the chunk-contracting
   # products step through C in swizzle-wide groups.
-  mma = functools.partial(_transforms, bf, max_elems=min(BV, C))
+  mma = functools.partial(smem_transforms, bf, max_elems=min(BV, C))
 
   def body(W_g, U_g, qg_g, kd_g, Aqk_g, sdec_g, S0_g, o_g, Sfin_g, *refs):
     states_g, Vp_g = refs[:2] if keep else (None, None)
@@ -223,12 +230,12 @@ def scan_forward_mosaic(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int,
   scratch = [
       plgpu.SMEM((stages, R, K), bf, transforms=mma(K)),      # [W; qg]
       plgpu.SMEM((stages, C, K), bf, transforms=mma(K)),      # kd
-      plgpu.SMEM((stages, X, BV), U.dtype, transforms=_transforms(U.dtype, BV)),  # U
+      plgpu.SMEM((stages, X, BV), U.dtype, transforms=smem_transforms(U.dtype, BV)),  # U
       plgpu.SMEM((stages, R - lo, C), bf, transforms=mma(C)),  # A_qk
       plgpu.SMEM((stages, K), f32),                           # sdec
       plgpu.SMEM((K, BV), bf, transforms=mma(BV)),            # the state, as a B operand
       plgpu.SMEM((X, BV), bf, transforms=mma(BV)),            # V', as a B operand
-      plgpu.SMEM((2, R - lo, BV), out_dtype, transforms=_transforms(out_dtype, BV)),  # O on its way out
+      plgpu.SMEM((2, R - lo, BV), out_dtype, transforms=smem_transforms(out_dtype, BV)),  # O on its way out
       plgpu.Barrier(num_arrivals=6, num_barriers=stages),     # the six copies of one chunk
   ]
   out_type = [jax.ShapeDtypeStruct((B, T, H, V), out_dtype), jax.ShapeDtypeStruct((B, H, K, V), f32)]
@@ -241,140 +248,3 @@ def scan_forward_mosaic(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int,
       interpret=interpret or None, kernel_name="kda_scan_fwd_mosaic")
   out = run(W, U, qg, kd, Aqk, sdec, S0)
   return tuple(out) if keep else (*out, None, None)
-
-
-def smem_bytes_backward(K: int, C: int, block_v: int, stages: int) -> int:
-  """Shared memory of one scan_backward_mosaic program, to the byte as Mosaic GPU counts it: `stages`
-  chunk slots (W, qg, kd, A_qk, dO, sdec), the bf16 tiles of dS, -dV' and dV' (each buffer rounded up to
-  1 KiB) and one 8-byte barrier per slot."""
-  X = tile_rows(C)[2]
-  size = lambda dtype, *shape: -(-math.prod(shape) * jnp.dtype(dtype).itemsize // 1024) * 1024
-  bf = jnp.bfloat16
-  buffers = (size(bf, stages, C, K), size(bf, stages, C, K), size(bf, stages, X, K), size(bf, stages, C, X),
-             size(bf, stages, C, block_v), size(jnp.float32, stages, K), size(bf, K, block_v),
-             size(bf, X, block_v), size(bf, X, block_v))
-  return sum(buffers) + 8 * stages
-
-
-def unsupported_backward(K: int, C: int, block_v: int, V: int, store_dtype, stages: int) -> str | None:
-  """Why scan_backward_mosaic cannot take these settings where the op stores in store_dtype; None when it
-  can."""
-  if jnp.dtype(store_dtype) != jnp.bfloat16:
-    return f"the Mosaic backward scan takes bf16 operands and stores bf16, not {jnp.dtype(store_dtype).name}"
-  try:
-    check_shapes(K, C, block_v, V)
-  except ValueError as e:
-    return str(e)
-  need = smem_bytes_backward(K, C, block_v, stages)
-  if need > SMEM_LIMIT:
-    return f"it needs {need} bytes of shared memory at {stages} slots; one block may use {SMEM_LIMIT}"
-  return None
-
-
-def scan_backward_mosaic(dO, Aqk, kd, W, qg, sdec, dSfin, *, store_dtype, block_v: int, stages: int = 2,
-                         interpret=False):
-  """Returns (dV', dS_next, dS0) like pallas_scan.scan_backward: dV' [B,H,T,V] and dS_next [B,H,N,K,V],
-  the cotangent of the state leaving each chunk (before that chunk's update), both in store_dtype, and
-  the cotangent of the initial state [B,H,K,V] float32. dO is [B,T,H,V] like o. store_dtype must be bf16
-  (ValueError otherwise). stages: chunk slots in flight. interpret: as in scan_forward_mosaic."""
-  B, H, T, K = W.shape
-  V = dO.shape[-1]
-  C = Aqk.shape[-1]
-  N = T // C
-  BV = block_v
-  if jnp.dtype(store_dtype) != jnp.bfloat16:
-    raise ValueError(f"store_dtype must be bfloat16 (the kernel stores its bf16 operand tiles), got "
-                     f"{jnp.dtype(store_dtype).name}")
-  check_shapes(K, C, BV, V)
-  if T % C:
-    raise ValueError(f"length {T} must be a whole number of chunks of {C}")
-  if stages < 1:
-    raise ValueError(f"stages must be >= 1, got {stages}")
-  stages = min(stages, N)
-  X = tile_rows(C)[2]
-  bf, f32 = jnp.bfloat16, jnp.float32
-  dO, Aqk, kd, W, qg = (x.astype(bf) for x in (dO, Aqk, kd, W, qg))
-  sdec, dSfin = sdec.astype(f32), dSfin.astype(f32)
-  mma = functools.partial(_transforms, bf, max_elems=min(BV, C))
-
-  def body(dO_g, Aqk_g, kd_g, W_g, qg_g, sdec_g, dSfin_g, dVp_g, dSn_g, dS0_g,
-           W_s, qg_s, kd_s, Aqk_s, dO_s, sdec_s, S_s, Vn_s, Vp_s, loaded):
-    j, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
-    cols = pl.ds(j * BV, BV)
-
-    def fetch(c, slot):
-      rows = pl.ds(c * C, C)
-      bar = loaded.at[slot]
-      plgpu.copy_gmem_to_smem(W_g.at[b, h, rows], W_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(qg_g.at[b, h, rows], qg_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(kd_g.at[b, h, rows], kd_s.at[slot, pl.ds(0, C)], bar)
-      plgpu.copy_gmem_to_smem(Aqk_g.at[b, h, rows], Aqk_s.at[slot, :, pl.ds(0, C)], bar)
-      plgpu.copy_gmem_to_smem(dO_g.at[b, rows, h, cols], dO_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(sdec_g.at[b, h, c], sdec_s.at[slot], bar)
-
-    # Chunks run from the last: slot s first holds chunk N-1-s.
-    for slot in range(stages):
-      fetch(N - 1 - slot, slot)
-    dS_KV = plgpu.load(dSfin_g.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
-
-    def step(i, dS_KV):
-      c = N - 1 - i
-      slot = lax.rem(i, stages)
-      rows = pl.ds(c * C, C)
-      plgpu.barrier_wait(loaded.at[slot])
-
-      def products(v_acc, s_acc):
-        plgpu.wgmma(v_acc, Aqk_s.at[slot].transpose((1, 0)), dO_s.at[slot])
-        decay_K = plgpu.load(sdec_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
-        dS_dec = dS_KV * lax.broadcast_in_dim(decay_K, dS_KV.shape, [0])
-        # The dS store of the last chunk, issued before its dV' store, has read S_s.
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        S_s[...] = dS_KV.astype(bf)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(S_s, dSn_g.at[b, h, c, :, cols])
-        plgpu.wgmma(v_acc, kd_s.at[slot], S_s)
-        plgpu.wgmma(s_acc, qg_s.at[slot].transpose((1, 0)), dO_s.at[slot])
-        # All but the newest wgmma (qg^T dO, into s_acc) are done: dV' is whole.
-        dVp_XV = plgpu.wgmma_accumulator_load(v_acc, wait_n=1)
-        Vn_s[...] = (-dVp_XV).astype(bf)
-        plgpu.commit_smem()
-        plgpu.wgmma(s_acc, W_s.at[slot].transpose((1, 0)), Vn_s.at[pl.ds(0, C)])
-        # Likewise the last dV' store, which this chunk's dS store follows, has read Vp_s.
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        Vp_s[...] = dVp_XV.astype(bf)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(Vp_s.at[pl.ds(0, C)], dVp_g.at[b, h, rows, cols])
-        return dS_dec + s_acc[...]
-
-      dS_KV = pl.run_scoped(products, plgpu.ACC((X, BV), f32), plgpu.ACC((K, BV), f32))
-
-      @pl.when(i + stages < N)
-      def _():
-        fetch(c - stages, slot)
-
-      return dS_KV
-
-    dS_KV = lax.fori_loop(0, N, step, dS_KV)
-    dS0_g.at[b, h, :, cols][...] = dS_KV
-    plgpu.wait_smem_to_gmem(0)
-
-  scratch = [
-      plgpu.SMEM((stages, C, K), bf, transforms=mma(K)),       # W
-      plgpu.SMEM((stages, C, K), bf, transforms=mma(K)),       # qg
-      plgpu.SMEM((stages, X, K), bf, transforms=mma(K)),       # kd, rows [0, C)
-      plgpu.SMEM((stages, C, X), bf, transforms=mma(X)),       # A_qk, columns [0, C)
-      plgpu.SMEM((stages, C, BV), bf, transforms=mma(BV)),     # dO
-      plgpu.SMEM((stages, K), f32),                            # sdec
-      plgpu.SMEM((K, BV), bf, transforms=mma(BV)),             # dS, as a B operand and on its way out
-      plgpu.SMEM((X, BV), bf, transforms=mma(BV)),             # -dV', as a B operand
-      plgpu.SMEM((X, BV), bf, transforms=mma(BV)),             # dV' on its way out
-      plgpu.Barrier(num_arrivals=6, num_barriers=stages),
-  ]
-  out_type = (jax.ShapeDtypeStruct((B, H, T, V), bf), jax.ShapeDtypeStruct((B, H, N, K, V), bf),
-              jax.ShapeDtypeStruct((B, H, K, V), f32))
-  if interpret is True:
-    interpret = plgpu.InterpretGPUParams()
-  run = plgpu.kernel(
-      body, out_type=out_type, scratch_types=scratch, grid=(V // BV, H, B), grid_names=("v", "h", "b"),
-      interpret=interpret or None, kernel_name="kda_scan_bwd_mosaic")
-  return run(dO, Aqk, kd, W, qg, sdec, dSfin)
