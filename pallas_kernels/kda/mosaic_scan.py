@@ -110,13 +110,17 @@ def unsupported(K: int, C: int, block_v: int, V: int, store_dtype, stages: int) 
   widest the op asks for."""
   if jnp.dtype(store_dtype) != jnp.bfloat16:
     return f"the Mosaic scan takes bf16 operands and keeps bf16 states, not {jnp.dtype(store_dtype).name}"
+  return shape_or_memory(K, C, block_v, V, stages, lambda: smem_bytes(K, C, block_v, stages, jnp.float32))
+
+
+def shape_or_memory(K: int, C: int, block_v: int, V: int, stages: int, need) -> str | None:
+  """Why a Mosaic scan cannot take these shapes, or `need()` bytes of shared memory; None when it can."""
   try:
     check_shapes(K, C, block_v, V)
   except ValueError as e:
     return str(e)
-  need = smem_bytes(K, C, block_v, stages, jnp.float32)
-  if need > SMEM_LIMIT:
-    return f"it needs {need} bytes of shared memory at {stages} slots; one block may use {SMEM_LIMIT}"
+  if (n := need()) > SMEM_LIMIT:
+    return f"it needs {n} bytes of shared memory at {stages} slots; one block may use {SMEM_LIMIT}"
   return None
 
 

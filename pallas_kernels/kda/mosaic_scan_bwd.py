@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.mosaic_scan import SMEM_LIMIT, check_shapes, smem_transforms, tile_rows
+from pallas_kernels.kda.mosaic_scan import check_shapes, shape_or_memory, smem_transforms, tile_rows
 
 
 def smem_bytes_backward(K: int, C: int, block_v: int, stages: int) -> int:
@@ -59,14 +59,7 @@ def unsupported_backward(K: int, C: int, block_v: int, V: int, store_dtype, stag
   per-chunk dS) in store_dtype; None when it can."""
   if jnp.dtype(store_dtype) != jnp.bfloat16:
     return f"the Mosaic backward scan takes bf16 operands and stores bf16, not {jnp.dtype(store_dtype).name}"
-  try:
-    check_shapes(K, C, block_v, V)
-  except ValueError as e:
-    return str(e)
-  need = smem_bytes_backward(K, C, block_v, stages)
-  if need > SMEM_LIMIT:
-    return f"it needs {need} bytes of shared memory at {stages} slots; one block may use {SMEM_LIMIT}"
-  return None
+  return shape_or_memory(K, C, block_v, V, stages, lambda: smem_bytes_backward(K, C, block_v, stages))
 
 
 def scan_backward_mosaic(dO, Aqk, kd, W, qg, sdec, dSfin, *, store_dtype, block_v: int, stages: int = 2,
