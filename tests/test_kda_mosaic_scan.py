@@ -100,6 +100,21 @@ def smem_limit(limit):
   return artificial_shared_memory_limit(limit)
 
 
+def assert_lowers_counting_smem(f, args, need: int):
+  """Mosaic GPU lowers f for CUDA and counts exactly `need` bytes of shared memory: past the H200's it
+  refuses with that count, else it refuses one byte short of it and lowers at the real limit."""
+  lower = lambda: f.trace(*args).lower(lowering_platforms=("cuda",))
+  if need > H200_SMEM:
+    with pytest.raises(ValueError, match=f"shared memory: smem_bytes={need} "):
+      lower()
+    return
+  # One byte short, before the lowering that succeeds (which a later lowering could reuse).
+  if (short := smem_limit(need - 1)) is not None:
+    with short, pytest.raises(ValueError, match=f"shared memory: smem_bytes={need} "):
+      lower()
+  assert "mosaic_gpu" in lower().as_text()
+
+
 def races_found():
   """Whether the interpreter's race detector saw a race since the last reset (a private jax API; None
   where it moved)."""
@@ -199,17 +214,7 @@ def test_lowers_for_cuda_at_the_benchmark_shapes(C, block_v, stages, keep):
   states_dtype = bf if keep else None
   f = jax.jit(lambda *a: scan_forward_mosaic(*a, out_dtype=bf, block_v=block_v, stages=stages,
                                              states_dtype=states_dtype))
-  lower = lambda: f.trace(*args).lower(lowering_platforms=("cuda",))
-  need = smem_bytes(D, C, block_v, stages, bf)
-  if need > H200_SMEM:
-    with pytest.raises(ValueError, match=f"shared memory: smem_bytes={need} "):
-      lower()
-    return
-  # One byte short, before the lowering that succeeds (which a later lowering could reuse).
-  if (short := smem_limit(need - 1)) is not None:
-    with short, pytest.raises(ValueError, match=f"shared memory: smem_bytes={need} "):
-      lower()
-  assert "mosaic_gpu" in lower().as_text()
+  assert_lowers_counting_smem(f, args, smem_bytes(D, C, block_v, stages, bf))
 
 
 @pytest.mark.parametrize("K,C,block_v,store_dtype,stages,why", [
@@ -276,13 +281,9 @@ def test_backward_lowers_for_cuda_at_the_benchmark_shapes(C, block_v):
   args = (sd((B, T, H, D), bf), sd((B, H, T, C), bf), sd((B, H, T, D), bf), sd((B, H, T, D), bf),
           sd((B, H, T, D), bf), sd((B, H, T // C, D), jnp.float32), sd((B, H, D, D), jnp.float32))
   f = jax.jit(lambda *a: scan_backward_mosaic(*a, store_dtype=bf, block_v=block_v, stages=2))
-  lower = lambda: f.trace(*args).lower(lowering_platforms=("cuda",))
   need = smem_bytes_backward(D, C, block_v, 2)
   assert need <= H200_SMEM
-  if (short := smem_limit(need - 1)) is not None:
-    with short, pytest.raises(ValueError, match=f"shared memory: smem_bytes={need} "):
-      lower()
-  assert "mosaic_gpu" in lower().as_text()
+  assert_lowers_counting_smem(f, args, need)
 
 
 @pytest.mark.parametrize("K,C,block_v,store_dtype,stages,why", [
