@@ -186,13 +186,23 @@ def run_fla(shapes, reps_ms, timeout_s):
   return res
 
 
+def pallas_config(args):
+  """The op's Config with --scan-lowering applied; None (the op's defaults) without it."""
+  if not args.scan_lowering:
+    return None
+  from pallas_kernels.kda.pallas_op import Config
+  fwd, bwd = args.scan_lowering.split(",")
+  return Config(scan_fwd_lowering=fwd or None, scan_bwd_lowering=bwd or None)
+
+
 def main_table(args):
   jax, jnp = _jax()
   device = jax.devices()[0].device_kind
   bw, flops = (4.3e12, 7.9e14) if INTERPRET else ceilings()
   print(f"device {device}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
   rows = []
-  fns = {impl: kda_fns(impl, chunk=args.chunk) for impl in args.impls.split(",")}
+  fns = {impl: kda_fns(impl, config=pallas_config(args) if impl == "pallas" else None, chunk=args.chunk)
+         for impl in args.impls.split(",")}
   fla_all = {}
   if not args.no_fla:
     for B, T in SHAPES:
@@ -422,7 +432,11 @@ def main():
   p.add_argument("--sweep-grads", type=pair, nargs="*", default=[(64, 4), (128, 8), (32, 4)])
   p.add_argument("--sweep-chunks", type=int, nargs="*", default=[32], help="chunk sizes for --sweep")
   p.add_argument("--chunk", type=int, default=32, help="chunk size of ours in the table (fla's is its own)")
+  p.add_argument("--scan-lowering", help="FWD,BWD: the state passes' lowerings in ours (pallas), each "
+                 "'triton', 'mosaic' or empty for the op's choice, e.g. 'mosaic,triton'")
   args = p.parse_args()
+  if args.scan_lowering and len(args.scan_lowering.split(",")) != 2:
+    p.error("--scan-lowering takes FWD,BWD, e.g. 'mosaic,triton'")
   if args.fla_child:
     return fla_child([tuple(map(int, s.split("x"))) for s in args.fla_child.split(",")], args.fla_ms)
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

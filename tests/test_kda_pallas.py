@@ -177,19 +177,21 @@ def test_in_kernel_gate_cumsum_is_exact_to_float32_rounding(dtype):
     np.testing.assert_allclose(np.asarray(G.row(r)), want[r], rtol=0, atol=tol)
 
 
-def test_mosaic_state_pass_matches_triton_in_the_op():
-  """The op with the forward state pass on Mosaic GPU (interpret mode) against the same op on Triton and
-  the float32 recurrence: bf16 data, K=V=64, packed documents, state in and out, every gradient (the
-  backward pass reads the states and V' that the Mosaic pass keeps)."""
+@pytest.mark.parametrize("fwd,bwd", [("mosaic", "triton"), ("mosaic", "mosaic"), ("triton", "mosaic")])
+def test_mosaic_state_pass_matches_triton_in_the_op(fwd, bwd):
+  """The op with either state pass on Mosaic GPU (interpret mode) against the same op on Triton and the
+  float32 recurrence: bf16 data, K=V=64, packed documents, state in and out, every gradient (the
+  backward pass reads the states and V' that the forward keeps, and its state pass makes dV' and the
+  states' cotangents for the rest of the backward)."""
   B, T, H, K, V = 1, 100, 1, 64, 64
   qkvgb, S0, cot = make_inputs(6, B, T, H, K, V, dtype=jnp.bfloat16)
   qkvgb = tuple(x.astype(jnp.float32) if i == 3 else x for i, x in enumerate(qkvgb))
   cot = (cot[0].astype(jnp.bfloat16), cot[1])
   segment_ids = jnp.asarray(ids_from_lengths([41, 59]))[None]
   got = value_and_vjp(qkvgb, S0, segment_ids, cot, impl="kernel", C=32,
-                      config=Config(scan_fwd_lowering="mosaic"))
+                      config=Config(scan_fwd_lowering=fwd, scan_bwd_lowering=bwd))
   triton = value_and_vjp(qkvgb, S0, segment_ids, cot, impl="kernel", C=32,
-                         config=Config(scan_fwd_lowering="triton"))
+                         config=Config(scan_fwd_lowering="triton", scan_bwd_lowering="triton"))
   f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
   want = value_and_vjp(f32(qkvgb), S0, segment_ids, f32(cot), impl="recurrent", C=32)
   for a, t, e in zip(jax.tree.leaves(got), jax.tree.leaves(triton), jax.tree.leaves(want), strict=True):
@@ -221,6 +223,21 @@ def test_state_pass_lowering_follows_what_mosaic_supports():
     Config(scan_fwd_lowering="mosaic").scan_lowering(32, 128, 128, f32)
   with pytest.raises(ValueError, match="scan_fwd_lowering must be"):
     Config(scan_fwd_lowering="cuda")
+  # The backward pass: the same rules, its own setting and V block.
+  backward = dict(interpret=False, backward=True)
+  assert Config().scan_lowering(32, 128, 128, bf16, **backward) == "mosaic"
+  assert Config().scan_lowering(32, 128, 128, f32, **backward) == "triton"
+  assert Config().scan_lowering(32, 128, 128, bf16, interpret=True, backward=True) == "triton"
+  assert Config(scan_bwd_lowering="triton").scan_lowering(32, 128, 128, bf16, **backward) == "triton"
+  assert Config(scan_bwd_lowering="mosaic").scan_lowering(32, 128, 128, bf16, **backward) == "mosaic"
+  assert Config(scan_bwd_lowering="triton").scan_lowering(32, 128, 128, bf16) == "mosaic"  # the forward's
+  assert Config(scan_bwd_lowering="mosaic").scan_lowering(32, 128, 128, bf16, interpret=True) == "triton"
+  with pytest.raises(ValueError, match="scan_bwd_lowering='mosaic' cannot run here.*bf16"):
+    Config(scan_bwd_lowering="mosaic").scan_lowering(32, 128, 128, f32, **backward)
+  with pytest.raises(ValueError, match="scan_bwd_lowering='mosaic' cannot run here.*multiple of 64"):
+    Config(scan_bwd_lowering="mosaic").scan_lowering(32, 32, 32, bf16, **backward)
+  with pytest.raises(ValueError, match="scan_bwd_lowering must be"):
+    Config(scan_bwd_lowering="wgmma")
   with pytest.raises(ValueError, match="mosaic_slots must be a positive int"):
     Config(mosaic_slots=0)
 

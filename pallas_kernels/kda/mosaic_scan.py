@@ -1,8 +1,8 @@
 """The inter-chunk state passes of KDA on the Mosaic GPU lowering: here the forward
 (pallas_scan.scan_forward) and the helpers both passes share, in mosaic_scan_bwd the backward
 (pallas_scan.scan_backward), so that the two Pallas lowerings can be measured side by side
-(benchmarks/kda_backend.py). The op runs the forward port where it applies
-(pallas_op.Config.scan_lowering); the backward port is not wired into the op until a GPU has timed it.
+(benchmarks/kda_backend.py). The op runs both ports where they apply (pallas_op.Config.scan_lowering):
+on the H200 they took 0.60-0.70 of the Triton passes' time (BENCHMARKS.md, "Pallas backend").
 
 Forward (scan_forward_mosaic). Same recurrence and grid as the Triton version: one program (one
 warpgroup, one CUDA block) per (V block, head, batch row) walks the N = T/C chunks in order with a [K, BV]

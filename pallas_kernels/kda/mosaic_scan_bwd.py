@@ -1,6 +1,7 @@
 """The backward inter-chunk state pass of KDA (pallas_scan.scan_backward) on the Mosaic GPU lowering;
-the forward, the shared helpers and the limits are in mosaic_scan. Not used by the op until a GPU has
-timed it against the Triton version (benchmarks/kda_backend.py).
+the forward, the shared helpers and the limits are in mosaic_scan. The op runs it where it applies
+(pallas_op.Config.scan_lowering): at B=2 T=8192 H=16, chunk 32, it took 0.281 ms against the Triton
+version's 0.447 on the H200 (benchmarks/kda_backend.py).
 
 Backward (scan_backward_mosaic). Same grid; each program walks the chunks from the last with the [K, BV]
 float32 cotangent dS of the state leaving the chunk:

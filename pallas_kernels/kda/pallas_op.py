@@ -2,7 +2,8 @@
 
 Forward: prep_forward (parallel over chunks) -> scan_forward (sequential over chunks; on Mosaic GPU,
 mosaic_scan.scan_forward_mosaic, where Config.scan_lowering picks it).
-Backward: scan_backward (reverse sequential) -> state_grads -> prep_backward (both parallel over chunks).
+Backward: scan_backward (reverse sequential; on Mosaic GPU, mosaic_scan_bwd.scan_backward_mosaic, where
+Config.scan_lowering picks it) -> state_grads -> prep_backward (both parallel over chunks).
 The forward keeps the per-chunk W, qg, kd, A_qk, sdec, V', the state entering each chunk, and the solve
 (strict S_kk and Linv, float32 [C,C] per chunk) so that the backward pass does not redo it.
 Padding to a whole number of chunks, and of K and V to powers of two (>= 16, as Triton dots need),
@@ -15,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import limits, mosaic_scan
+from pallas_kernels.kda import limits, mosaic_scan, mosaic_scan_bwd
 from pallas_kernels.kda import pallas_tiles as tiles
 from pallas_kernels.kda.pallas_backend import Tuning
 from pallas_kernels.kda.pallas_prep import prep_backward, prep_forward, state_grads
@@ -38,8 +39,10 @@ class Config:
   scan_bwd: Tuning | None = None
   # Lowering of the forward state pass: "triton", "mosaic" (mosaic_scan, wgmma), or None: Mosaic GPU
   # where it applies on the GPU (`scan_lowering`), else Triton. On the H200 (BENCHMARKS.md, "Pallas
-  # backend") the Mosaic scan took 0.272 ms against Triton's 0.389 at B=2 T=8192 H=16, chunk 32.
+  # backend") the Mosaic scan took 0.269 ms against Triton's 0.389 at B=2 T=8192 H=16, chunk 32.
   scan_fwd_lowering: str | None = None
+  # And of the backward state pass (mosaic_scan_bwd), chosen the same way: 0.281 ms against 0.447 there.
+  scan_bwd_lowering: str | None = None
   mosaic_slots: int = 2         # chunks in flight in the Mosaic scan's TMA ring (2 and 3 timed alike)
 
   def __post_init__(self):
@@ -49,9 +52,9 @@ class Config:
         raise ValueError(f"Config.{name} must be a power of two >= 16 (Triton tiles), got {n!r}")
     if not isinstance(self.mosaic_slots, int) or self.mosaic_slots < 1:
       raise ValueError(f"Config.mosaic_slots must be a positive int, got {self.mosaic_slots!r}")
-    if self.scan_fwd_lowering not in (None, "triton", "mosaic"):
-      raise ValueError(f"Config.scan_fwd_lowering must be None, 'triton' or 'mosaic', got "
-                       f"{self.scan_fwd_lowering!r}")
+    for name in ("scan_fwd_lowering", "scan_bwd_lowering"):
+      if getattr(self, name) not in (None, "triton", "mosaic"):
+        raise ValueError(f"Config.{name} must be None, 'triton' or 'mosaic', got {getattr(self, name)!r}")
 
   def for_chunk(self, chunk: int) -> "Config":
     """This config with every unset launch parameter at the H200's best for `chunk` (BENCHMARKS.md,
@@ -68,21 +71,26 @@ class Config:
     return dataclasses.replace(self, **{name: getattr(self, name) or tuning
                                         for name, tuning in measured.items()})
 
-  def scan_lowering(self, chunk: int, K: int, V: int, store_dtype, interpret: bool = False) -> str:
-    """The forward state pass's lowering for these shapes; raises if Mosaic was asked where it cannot run.
-    In interpret mode the default is Triton: Mosaic GPU's interpreter runs through ordered I/O callbacks,
-    which JAX cannot differentiate inside remat (the 1M configs' `model.remat`), so it runs only when
-    asked for (as the tests do)."""
-    why = mosaic_scan.unsupported(K, chunk, self.mosaic_block_v(V), V, store_dtype, self.mosaic_slots)
-    if self.scan_fwd_lowering == "mosaic" and why is not None:
-      raise ValueError(f"Config.scan_fwd_lowering='mosaic' cannot run here: {why}")
-    if self.scan_fwd_lowering is not None:
-      return self.scan_fwd_lowering
+  def scan_lowering(self, chunk: int, K: int, V: int, store_dtype, interpret: bool = False,
+                    backward: bool = False) -> str:
+    """The lowering of the forward (or backward) state pass for these shapes; raises if Mosaic was asked
+    where it cannot run. In interpret mode the default is Triton: Mosaic GPU's interpreter runs through
+    ordered I/O callbacks, which JAX cannot differentiate inside remat (the 1M configs' `model.remat`), so
+    it runs only when asked for (as the tests do)."""
+    name = "scan_bwd_lowering" if backward else "scan_fwd_lowering"
+    chosen = getattr(self, name)
+    unsupported = mosaic_scan_bwd.unsupported_backward if backward else mosaic_scan.unsupported
+    why = unsupported(K, chunk, self.mosaic_block_v(V, backward), V, store_dtype, self.mosaic_slots)
+    if chosen == "mosaic" and why is not None:
+      raise ValueError(f"Config.{name}='mosaic' cannot run here: {why}")
+    if chosen is not None:
+      return chosen
     return "triton" if why is not None or interpret else "mosaic"
 
-  def mosaic_block_v(self, V: int) -> int:
-    """The Mosaic scan's V block: 32 columns (16 took 1.8x as long at B=2 T=8192 H=16, chunk 32)."""
-    return min(self.block_v_fwd or 32, V)
+  def mosaic_block_v(self, V: int, backward: bool = False) -> int:
+    """The Mosaic scans' V block: 32 columns (16 took 1.8x as long in the forward at B=2 T=8192 H=16,
+    chunk 32)."""
+    return min((self.block_v_bwd if backward else self.block_v_fwd) or 32, V)
 
   def block_v(self, chosen, B: int, H: int, V: int) -> int:
     """The scans' V block: 32 columns per program unless that leaves fewer than 128 programs (the
@@ -150,10 +158,15 @@ def _kda_bwd(st, res, cts):
   dO, dS_fin = cts
   K, V = q.shape[-1], v.shape[-1]
   dO = dO.astype(st.store_dtype)
-  dVp, dS_next, dS0 = scan_backward(dO, Aqk, kd, W, qg, sdec, dS_fin.astype(jnp.float32),
-                                    store_dtype=st.store_dtype,
-                                    block_v=st.cfg.block_v(st.cfg.block_v_bwd, q.shape[0], q.shape[2], V),
-                                    big=st.prec.big, interpret=st.interpret, tuning=st.cfg.scan_bwd)
+  if st.cfg.scan_lowering(st.chunk, K, V, st.store_dtype, st.interpret, backward=True) == "mosaic":
+    dVp, dS_next, dS0 = mosaic_scan_bwd.scan_backward_mosaic(
+        dO, Aqk, kd, W, qg, sdec, dS_fin.astype(jnp.float32), store_dtype=st.store_dtype,
+        block_v=st.cfg.mosaic_block_v(V, backward=True), stages=st.cfg.mosaic_slots, interpret=st.interpret)
+  else:
+    dVp, dS_next, dS0 = scan_backward(dO, Aqk, kd, W, qg, sdec, dS_fin.astype(jnp.float32),
+                                      store_dtype=st.store_dtype,
+                                      block_v=st.cfg.block_v(st.cfg.block_v_bwd, q.shape[0], q.shape[2], V),
+                                      big=st.prec.big, interpret=st.interpret, tuning=st.cfg.scan_bwd)
   dW, dqg, dkd, dAqk, dsdec = state_grads(states, dS_next, dO, dVp, Vp, block=min(st.cfg.block_grads, K, V),
                                           prec=st.prec,
                                           store_dtype=st.store_dtype, interpret=st.interpret,
