@@ -328,50 +328,54 @@ def sweep(args):
     compile_s = time.perf_counter() - t0
     print(f"{name:58s} {time_ms(fn, *a):8.3f} ms   (first call {compile_s:5.1f} s)", flush=True)
 
-  for (B, T), C in itertools.product(SHAPES[::2], args.sweep_chunks):
-    q, k, v, g, beta, do = make_inputs(B, T)
+  shapes = args.sweep_shapes or [(B, T, H) for B, T in SHAPES[::2]]
+  for (B, T, Hs), C in itertools.product(shapes, args.sweep_chunks):
+    first = (B, T, Hs) == shapes[0]
+    at = f"B={B} T={T} H={Hs} C={C}"
+    q, k, v, g, beta, do = make_inputs(B, T, heads=Hs)
+    g = g.astype(args.sweep_gates)
     doc = jnp.zeros((B, T), jnp.int32)
-    if T == SHAPES[0][1]:
+    if first:
       op_fwd, op_fb = kda_fns("pallas", Config(), chunk=C)
-      report(f"B={B} T={T} C={C} whole op forward (default config)", op_fwd, q, k, v, g, beta)
-      report(f"B={B} T={T} C={C} whole op forward + backward", op_fb, q, k, v, g, beta, do)
+      report(f"{at} whole op forward (default config)", op_fwd, q, k, v, g, beta)
+      report(f"{at} whole op forward + backward", op_fb, q, k, v, g, beta, do)
     prep = lambda block, tuning, keep_solve=False, C=C: jax.jit(functools.partial(
         pallas_prep.prep_forward, chunk=C, block=min(block, D), scale=D**-0.5, prec=prec, store_dtype=bf,
         tuning=tuning, keep_solve=keep_solve, **kw))
     W, U, qg, kd, Aqk, sdec, A, Linv = prep(64, Tuning(4, 1), keep_solve=True)(q, k, v, g, beta, doc)
-    S0 = jnp.zeros((B, H, D, D), jnp.float32)
-    if T == SHAPES[0][1]:
+    S0 = jnp.zeros((B, Hs, D, D), jnp.float32)
+    if first:
       for block, nw, *ns in args.sweep_prep:
         ns = ns[0] if ns else 1
-        report(f"B={B} T={T} C={C} prep_fwd block={block} warps={nw} stages={ns}",
+        report(f"{at} prep_fwd block={block} warps={nw} stages={ns}",
                prep(block, Tuning(nw, ns)), q, k, v, g, beta, doc)
     for bv, nw, ns in args.sweep_scan:
       tuning, bv = Tuning(nw, ns), min(bv, D)
       fwd = jax.jit(lambda *a, bv=bv, tuning=tuning: pallas_scan.scan_forward(
           *a, out_dtype=bf, block_v=bv, big=prec.big, tuning=tuning, **kw)[:2])
-      report(f"B={B} T={T} C={C} scan_fwd bv={bv} warps={nw} stages={ns}", fwd, W, U, qg, kd, Aqk, sdec, S0)
+      report(f"{at} scan_fwd bv={bv} warps={nw} stages={ns}", fwd, W, U, qg, kd, Aqk, sdec, S0)
       bwd = jax.jit(lambda *a, bv=bv, tuning=tuning: pallas_scan.scan_backward(
           *a, store_dtype=bf, block_v=bv, big=prec.big, tuning=tuning, **kw))
-      report(f"B={B} T={T} C={C} scan_bwd bv={bv} warps={nw} stages={ns}", bwd, do, Aqk, kd, W, qg, sdec, S0)
-    if T != SHAPES[0][1]:
+      report(f"{at} scan_bwd bv={bv} warps={nw} stages={ns}", bwd, do, Aqk, kd, W, qg, sdec, S0)
+    if not first:
       continue
     fwd_keep = jax.jit(lambda *a: pallas_scan.scan_forward(*a, out_dtype=bf, block_v=32, big=prec.big,
                                                            states_dtype=bf, tuning=Tuning(4, 2), **kw))
-    report(f"B={B} T={T} C={C} scan_fwd keeping states bv=32", fwd_keep, W, U, qg, kd, Aqk, sdec, S0)
+    report(f"{at} scan_fwd keeping states bv=32", fwd_keep, W, U, qg, kd, Aqk, sdec, S0)
     _, _, states, Vp = fwd_keep(W, U, qg, kd, Aqk, sdec, S0)
     dVp, dSn, _ = pallas_scan.scan_backward(do, Aqk, kd, W, qg, sdec, S0, store_dtype=bf, block_v=32,
                                             big=prec.big, tuning=Tuning(4, 2), **kw)
     for block, nw in args.sweep_grads:
       sg = jax.jit(functools.partial(pallas_prep.state_grads, block=min(block, D), prec=prec, store_dtype=bf,
                                      tuning=Tuning(nw, 1), **kw))
-      report(f"B={B} T={T} C={C} state_grads block={block} warps={nw}", sg, states, dSn, do, dVp, Vp)
+      report(f"{at} state_grads block={block} warps={nw}", sg, states, dSn, do, dVp, Vp)
     dW, dqg, dkd, dAqk, dsdec = pallas_prep.state_grads(states, dSn, do, dVp, Vp, block=min(64, D), prec=prec,
                                                         store_dtype=bf, tuning=Tuning(4, 1), **kw)
     for block, nw, *ns in args.sweep_prep:
       ns = ns[0] if ns else 1
       pb = jax.jit(functools.partial(pallas_prep.prep_backward, chunk=C, block=min(block, D), scale=D**-0.5,
                                      prec=prec, tuning=Tuning(nw, ns), **kw))
-      report(f"B={B} T={T} C={C} prep_bwd block={block} warps={nw} stages={ns}", pb, q, k, v, g, beta, doc,
+      report(f"{at} prep_bwd block={block} warps={nw} stages={ns}", pb, q, k, v, g, beta, doc,
              A, Linv, dW, dVp, dqg, dkd, dAqk, dsdec)
     del states, dSn, dVp, Vp
 
@@ -431,6 +435,11 @@ def main():
                  help="block_v,num_warps,num_stages triples for the scans")
   p.add_argument("--sweep-grads", type=pair, nargs="*", default=[(64, 4), (128, 8), (32, 4)])
   p.add_argument("--sweep-chunks", type=int, nargs="*", default=[32], help="chunk sizes for --sweep")
+  p.add_argument("--sweep-shapes", type=lambda s: tuple(int(x) for x in s.split("x")), nargs="*",
+                 help="BxTxH shapes for --sweep (default: the table's first and last, H=16); the first "
+                 "also times the whole op, the prep and state-gradient kernels")
+  p.add_argument("--sweep-gates", default="bfloat16", help="dtype of the gates in --sweep (the model's "
+                 "KDA layers pass float32)")
   p.add_argument("--chunk", type=int, default=32, help="chunk size of ours in the table (fla's is its own)")
   p.add_argument("--scan-lowering", help="FWD,BWD: the state passes' lowerings in ours (pallas), each "
                  "'triton', 'mosaic' or empty for the op's choice, e.g. 'mosaic,triton'")

@@ -105,6 +105,11 @@ def prep(q: Chunk, k: Chunk, v: Chunk, g: Gates, b: Rows, code: Rows, scale: flo
   C = code.full().shape[0]
   P = C // TILE
   dm = docs(code)
+  if g.n == 1:
+    # One column block: the scores and W's right-hand sides share its G instead of making it twice
+    # (with more blocks each pass is a loop, whose steps cannot hand values to the other's).
+    only = g.block(0)
+    g = g._replace(block=lambda i: only)
   Sqk, Skk = score_blocks(q, k, g, P, prec)
   zero = jnp.zeros((TILE, TILE), jnp.float32)
   A, bA = {}, {}
