@@ -269,7 +269,7 @@ def test_launch_parameters_follow_the_chunk_unless_set():
   """Unset launch parameters take the ones measured for the chunk size; set ones are kept."""
   from pallas_kernels.kda.pallas_backend import Tuning
   at_32, at_64 = Config().for_chunk(32), Config(prep_bwd=Tuning(8, 1)).for_chunk(64)
-  assert (at_32.prep_bwd, at_32.scan_fwd, at_32.block_fwd) == (Tuning(2, 1), Tuning(4, 3), 64)
+  assert (at_32.prep_bwd, at_32.scan_fwd, at_32.block_fwd) == (Tuning(2, 1), Tuning(4, 3), 128)
   assert (at_64.prep_bwd, at_64.scan_fwd, at_64.block_fwd) == (Tuning(8, 1), Tuning(4, 2), 32)
   assert Config(block=16).for_chunk(64).block_fwd == 16 and Config(block_fwd=16).for_chunk(32).block_fwd == 16
   # Chunk 128 runs unpipelined: deeper pipelines overflow the H200's shared memory there.
