@@ -192,7 +192,9 @@ def pallas_config(args):
     return None
   from pallas_kernels.kda.pallas_op import Config
   fwd, bwd = args.scan_lowering.split(",") if args.scan_lowering else ("", "")
-  return Config(scan_fwd_lowering=fwd or None, scan_bwd_lowering=bwd or None, mosaic_ahead=args.mosaic_ahead)
+  ahead = args.mosaic_ahead or ""
+  return Config(scan_fwd_lowering=fwd or None, scan_bwd_lowering=bwd or None,
+                mosaic_ahead_fwd=ahead in ("fwd", "both"), mosaic_ahead_bwd=ahead in ("bwd", "both"))
 
 
 def main_table(args):
@@ -443,8 +445,8 @@ def main():
   p.add_argument("--chunk", type=int, default=32, help="chunk size of ours in the table (fla's is its own)")
   p.add_argument("--scan-lowering", help="FWD,BWD: the state passes' lowerings in ours (pallas), each "
                  "'triton', 'mosaic' or empty for the op's choice, e.g. 'mosaic,triton'")
-  p.add_argument("--mosaic-ahead", action="store_true",
-                 help="ours (pallas) with the Mosaic forward pass in look-ahead form (Config.mosaic_ahead)")
+  p.add_argument("--mosaic-ahead", choices=("fwd", "bwd", "both"),
+                 help="ours (pallas) with these Mosaic passes in look-ahead form (Config.mosaic_ahead_*)")
   args = p.parse_args()
   if args.scan_lowering and len(args.scan_lowering.split(",")) != 2:
     p.error("--scan-lowering takes FWD,BWD, e.g. 'mosaic,triton'")

@@ -1,7 +1,8 @@
-"""The look-ahead form of KDA's Mosaic GPU forward state pass (pallas_kernels.kda.mosaic_scan_ahead) on the
-CPU: interpret mode against the float64 recurrence, the two-trip Mosaic form and the Triton scan, with the
-race detector watching its slot ring (two chunks in use at once) and its stores; keep mode; its limits;
-and its lowering for CUDA with the shared memory smem_bytes_ahead predicts."""
+"""The look-ahead forms of KDA's Mosaic GPU state passes (pallas_kernels.kda.mosaic_scan_ahead and
+mosaic_scan_bwd_ahead) on the CPU: interpret mode against the float64 recurrences, the two-trip Mosaic
+forms and the Triton scans, with the race detector watching their slot rings (two chunks in use at once)
+and their stores; the forward's keep mode; their limits; and their lowering for CUDA with the shared
+memory smem_bytes_ahead / smem_bytes_backward_ahead predict."""
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +12,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from test_kda_mosaic_scan import (
   H200_SMEM,
   assert_lowers_counting_smem,
+  backward_inputs,
   races_found,
   recurrence,
+  recurrence_backward,
   rel,
   scan_inputs,
 )
@@ -24,8 +27,15 @@ from pallas_kernels.kda.mosaic_scan_ahead import (
   smem_bytes_ahead,
   unsupported_ahead,
 )
+from pallas_kernels.kda.mosaic_scan_bwd import scan_backward_mosaic
+from pallas_kernels.kda.mosaic_scan_bwd_ahead import (
+  ahead_products_backward,
+  scan_backward_mosaic_ahead,
+  smem_bytes_backward_ahead,
+  unsupported_backward_ahead,
+)
 from pallas_kernels.kda.pallas_backend import Tuning
-from pallas_kernels.kda.pallas_scan import scan_forward
+from pallas_kernels.kda.pallas_scan import scan_backward, scan_forward
 
 # (chunk, V width, V block, slots, chunks, input dtype): the padded chunk (32 and 16 rows of a 64-row
 # wgmma tile), the unpadded 64, the smallest ring (2 slots: each step waits for the chunk it refilled),
@@ -131,3 +141,71 @@ def test_unsupported(K, C, block_v, store_dtype, stages, why):
   assert got is None if why is None else why in got
   if why == "shared memory":
     assert smem_bytes_ahead(K, C, block_v, stages, jnp.float32) > H200_SMEM
+
+
+@pytest.mark.parametrize("C,V,block_v,stages,N,dtype", CASES)
+def test_backward_matches_the_recurrence_and_the_two_trip_form(C, V, block_v, stages, N, dtype):
+  """dV', the dS entering each chunk's update and dS0 against float64 within bf16 rounding, and against
+  the two-trip Mosaic form and the Triton scan within the difference of their roundings (bf16 D dS, -dV'
+  and P, Q in place of bf16 dS_{c-1}). No races in the ring or between the tiles and their stores."""
+  inputs = backward_inputs(7, B=1, H=2, N=N, C=C, K=64, V=V, dtype=dtype)
+  out = scan_backward_mosaic_ahead(*inputs, store_dtype=jnp.bfloat16, block_v=block_v, stages=stages,
+                                   interpret=plgpu.InterpretGPUParams(detect_races=True))
+  assert races_found() in (False, None)
+  refs = recurrence_backward(*inputs)
+  two = scan_backward_mosaic(*inputs, store_dtype=jnp.bfloat16, block_v=block_v, stages=2, interpret=True)
+  triton = scan_backward(*inputs, store_dtype=jnp.bfloat16, block_v=block_v, big="bf16", interpret=True,
+                         tuning=Tuning())
+  dtypes = (jnp.bfloat16, jnp.bfloat16, jnp.float32)
+  for x, x_ref, x_two, x_tr, dtype_out in zip(out, refs, two, triton, dtypes, strict=True):
+    assert x.dtype == dtype_out and x.shape == x_ref.shape == x_two.shape
+    assert rel(x, x_ref) < 1e-2
+    assert rel(x, x_two) < 5e-3 and rel(x, x_tr) < 5e-3
+    if N == 1:  # no look-ahead: the two forms do the same arithmetic
+      np.testing.assert_array_equal(x, x_two)
+
+
+def test_look_ahead_products_backward():
+  """P's chunk n is kd_{n-1} qg_n^T and Q's kd_{n-1} W_n^T (bf16 operands, float32 sums); chunk 0's zero."""
+  rng = np.random.default_rng(8)
+  kd, qg, W = (jnp.asarray(rng.normal(size=(1, 2, 3 * 16, 64)), jnp.bfloat16) for _ in range(3))
+  P, Q = ahead_products_backward(kd, qg, W, 16)
+  kd64, qg64, W64 = (np.asarray(x, np.float64).reshape(1, 2, 3, 16, 64) for x in (kd, qg, W))
+  for got, x64 in ((P, qg64), (Q, W64)):
+    assert got.dtype == jnp.bfloat16 and got.shape == (1, 2, 48, 16)
+    got = np.asarray(got, np.float64).reshape(1, 2, 3, 16, 16)
+    assert not got[:, :, 0].any()
+    want = kd64[:, :, :-1] @ np.swapaxes(x64[:, :, 1:], -1, -2)
+    np.testing.assert_allclose(got[:, :, 1:], want, rtol=2.0**-8, atol=1e-6)
+
+
+def test_backward_rejects_what_it_cannot_run():
+  inputs = backward_inputs(0, B=1, H=1, N=3, C=32, K=64, V=32, dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="stages >= 2"):
+    scan_backward_mosaic_ahead(*inputs, store_dtype=jnp.bfloat16, block_v=32, stages=1, interpret=True)
+  with pytest.raises(ValueError, match="store_dtype"):
+    scan_backward_mosaic_ahead(*inputs, store_dtype=jnp.float32, block_v=32, interpret=True)
+
+
+@pytest.mark.parametrize("block_v", [32, 64])
+@pytest.mark.parametrize("C", [32, 64])
+def test_backward_lowers_for_cuda_at_the_benchmark_shapes(C, block_v):
+  """B=2 T=8192 H=16 K=V=128 at 3 slots: lowered for CUDA with the shared memory predicted to the byte."""
+  B, H, T, D = 2, 16, 8192, 128
+  sd = jax.ShapeDtypeStruct
+  bf = jnp.bfloat16
+  args = (sd((B, T, H, D), bf), sd((B, H, T, C), bf), sd((B, H, T, D), bf), sd((B, H, T, D), bf),
+          sd((B, H, T, D), bf), sd((B, H, T // C, D), jnp.float32), sd((B, H, D, D), jnp.float32))
+  f = jax.jit(lambda *a: scan_backward_mosaic_ahead(*a, store_dtype=bf, block_v=block_v, stages=3))
+  assert_lowers_counting_smem(f, args, smem_bytes_backward_ahead(D, C, block_v, 3))
+
+
+@pytest.mark.parametrize("K,C,block_v,store_dtype,stages,why", [
+    (128, 32, 32, jnp.bfloat16, 3, None), (128, 64, 32, jnp.bfloat16, 2, None),
+    (128, 32, 32, jnp.bfloat16, 1, "at least 2 slots"), (128, 32, 32, jnp.float32, 3, "bf16"),
+    (96, 32, 32, jnp.bfloat16, 3, "multiple of 64"), (128, 64, 64, jnp.bfloat16, 3, "shared memory")])
+def test_unsupported_backward(K, C, block_v, store_dtype, stages, why):
+  got = unsupported_backward_ahead(K, C, block_v, 128, store_dtype, stages)
+  assert got is None if why is None else why in got
+  if why == "shared memory":
+    assert smem_bytes_backward_ahead(K, C, block_v, stages) > H200_SMEM

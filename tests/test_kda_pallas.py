@@ -183,15 +183,17 @@ def test_mosaic_state_pass_matches_triton_in_the_op(fwd, bwd, ahead):
   """The op with either state pass on Mosaic GPU (interpret mode) against the same op on Triton and the
   float32 recurrence: bf16 data, K=V=64, packed documents, state in and out, every gradient (the
   backward pass reads the states and V' that the forward keeps, and its state pass makes dV' and the
-  states' cotangents for the rest of the backward). `ahead`: the forward pass in its look-ahead form
-(mosaic_scan_ahead), whose look-ahead products cross the document boundary inside the second chunk."""
+  states' cotangents for the rest of the backward). `ahead`: both passes in their look-ahead forms
+(mosaic_scan_ahead, mosaic_scan_bwd_ahead), whose products across chunks meet the document boundary
+inside the second chunk."""
   B, T, H, K, V = 1, 100, 1, 64, 64
   qkvgb, S0, cot = make_inputs(6, B, T, H, K, V, dtype=jnp.bfloat16)
   qkvgb = tuple(x.astype(jnp.float32) if i == 3 else x for i, x in enumerate(qkvgb))
   cot = (cot[0].astype(jnp.bfloat16), cot[1])
   segment_ids = jnp.asarray(ids_from_lengths([41, 59]))[None]
   got = value_and_vjp(qkvgb, S0, segment_ids, cot, impl="kernel", C=32,
-                      config=Config(scan_fwd_lowering=fwd, scan_bwd_lowering=bwd, mosaic_ahead=ahead))
+                      config=Config(scan_fwd_lowering=fwd, scan_bwd_lowering=bwd, mosaic_ahead_fwd=ahead,
+                                    mosaic_ahead_bwd=ahead))
   triton = value_and_vjp(qkvgb, S0, segment_ids, cot, impl="kernel", C=32,
                          config=Config(scan_fwd_lowering="triton", scan_bwd_lowering="triton"))
   f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
@@ -240,16 +242,19 @@ def test_state_pass_lowering_follows_what_mosaic_supports():
     Config(scan_bwd_lowering="mosaic").scan_lowering(32, 32, 32, bf16, **backward)
   with pytest.raises(ValueError, match="scan_bwd_lowering must be"):
     Config(scan_bwd_lowering="wgmma")
-  # The look-ahead forward: one more slot, its own limits; the backward pass is unaffected.
-  ahead = Config(mosaic_ahead=True)
+  # The look-ahead forms: one more slot each, their own limits, each pass on its own.
+  ahead = Config(mosaic_ahead_fwd=True)
   assert (ahead.ring_slots(), ahead.ring_slots(backward=True), Config().ring_slots()) == (3, 2, 2)
+  assert Config(mosaic_ahead_bwd=True).ring_slots(backward=True) == 3
   assert ahead.scan_lowering(32, 128, 128, bf16) == "mosaic"
   with pytest.raises(ValueError, match="shared memory"):  # 3 slots of chunk 64, V blocks of 32
-    Config(mosaic_ahead=True, scan_fwd_lowering="mosaic").scan_lowering(64, 128, 128, bf16)
+    Config(mosaic_ahead_fwd=True, scan_fwd_lowering="mosaic").scan_lowering(64, 128, 128, bf16)
   assert ahead.scan_lowering(64, 128, 128, bf16) == "triton"
   assert ahead.scan_lowering(64, 128, 128, bf16, backward=True) == "mosaic"
-  with pytest.raises(ValueError, match="mosaic_ahead must be a bool"):
-    Config(mosaic_ahead=1)
+  assert Config(mosaic_ahead_bwd=True).scan_lowering(32, 128, 128, bf16, backward=True) == "mosaic"
+  for name in ("mosaic_ahead_fwd", "mosaic_ahead_bwd"):
+    with pytest.raises(ValueError, match=f"{name} must be a bool"):
+      Config(**{name: 1})
   with pytest.raises(ValueError, match="mosaic_slots must be a positive int"):
     Config(mosaic_slots=0)
 

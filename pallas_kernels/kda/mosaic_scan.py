@@ -37,8 +37,9 @@ How it maps onto Hopper:
   tile uses 2 * min(BV, C, 64) bytes: BV = 16 forces the narrowest, 32 bytes; BV = 64 with C = 64 gets
   the full 128 bytes.
 
-Backward: mosaic_scan_bwd. The forward in one round trip through the tensor cores per chunk instead of
-the two above (chunk c+1's V' made with chunk c's products): mosaic_scan_ahead, opt-in until timed.
+Backward: mosaic_scan_bwd. Both passes in one round trip through the tensor cores per chunk instead of
+two (the next chunk's V' or dV' made with this chunk's products): mosaic_scan_ahead and
+mosaic_scan_bwd_ahead, opt-in (Config.mosaic_ahead_fwd / _bwd) until a GPU has timed them.
 
 Limits: K a multiple of 64 (the state is the M side of kd^T V', qg^T dO and W^T dV'); C and BV powers of
 two >= 16, BV <= 256; shared memory (smem_bytes, smem_bytes_backward) within the H200's 227 KiB

@@ -24,7 +24,7 @@ which the chunk before left in shared memory, and one wait covers them all.
   product reads and no store writes out; S, D S and V' as bf16 B operands; keep mode stores the state
   entering each chunk and V' from those tiles.
 
-Not used by the op unless Config.mosaic_ahead is set: it has not been timed on a GPU yet
+Not used by the op unless Config.mosaic_ahead_fwd is set: it has not been timed on a GPU yet
 (benchmarks/kda_backend.py has its rows).
 """
 
