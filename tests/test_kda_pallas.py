@@ -177,20 +177,22 @@ def test_in_kernel_gate_cumsum_is_exact_to_float32_rounding(dtype):
     np.testing.assert_allclose(np.asarray(G.row(r)), want[r], rtol=0, atol=tol)
 
 
-@pytest.mark.parametrize("fwd,bwd,ahead", [("mosaic", "triton", False), ("mosaic", "mosaic", False),
-                                           ("triton", "mosaic", False), ("mosaic", "mosaic", True)])
-def test_mosaic_state_pass_matches_triton_in_the_op(fwd, bwd, ahead):
+@pytest.mark.parametrize("fwd,bwd,ahead,lengths", [
+    ("mosaic", "triton", False, (41, 59)), ("mosaic", "mosaic", False, (41, 59)),
+    ("triton", "mosaic", False, (41, 59)), ("mosaic", "mosaic", True, (41, 59)),
+    ("mosaic", "mosaic", True, (32, 20, 48))])
+def test_mosaic_state_pass_matches_triton_in_the_op(fwd, bwd, ahead, lengths):
   """The op with either state pass on Mosaic GPU (interpret mode) against the same op on Triton and the
   float32 recurrence: bf16 data, K=V=64, packed documents, state in and out, every gradient (the
   backward pass reads the states and V' that the forward keeps, and its state pass makes dV' and the
   states' cotangents for the rest of the backward). `ahead`: both passes in their look-ahead forms
-(mosaic_scan_ahead, mosaic_scan_bwd_ahead), whose products across chunks meet the document boundary
-inside the second chunk."""
+  (mosaic_scan_ahead, mosaic_scan_bwd_ahead), whose products across chunks meet a document boundary
+  inside a chunk, and (lengths 32, 20, 48) one at a chunk's first row."""
   B, T, H, K, V = 1, 100, 1, 64, 64
   qkvgb, S0, cot = make_inputs(6, B, T, H, K, V, dtype=jnp.bfloat16)
   qkvgb = tuple(x.astype(jnp.float32) if i == 3 else x for i, x in enumerate(qkvgb))
   cot = (cot[0].astype(jnp.bfloat16), cot[1])
-  segment_ids = jnp.asarray(ids_from_lengths([41, 59]))[None]
+  segment_ids = jnp.asarray(ids_from_lengths(list(lengths)))[None]
   got = value_and_vjp(qkvgb, S0, segment_ids, cot, impl="kernel", C=32,
                       config=Config(scan_fwd_lowering=fwd, scan_bwd_lowering=bwd, mosaic_ahead_fwd=ahead,
                                     mosaic_ahead_bwd=ahead))
