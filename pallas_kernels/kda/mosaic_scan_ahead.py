@@ -25,7 +25,11 @@ which the chunk before left in shared memory, and one wait covers them all.
   entering each chunk and V' from those tiles.
 
 Not used by the op unless Config.mosaic_ahead_fwd is set: it has not been timed on a GPU yet
-(benchmarks/kda_backend.py has its rows).
+(benchmarks/kda_backend.py has its rows). A review found no hazard; its open speed points: M's XLA pass
+(about 0.03-0.05 ms at B=2 T=8192 H=16, to be timed with the kernel) could move into the prep kernel;
+the refill and the stores, issued by one thread between a step's last wait and the next step's wgmmas,
+could follow the next step's wgmmas with a deeper ring; and ptxas must keep the wgmmas asynchronous
+(MOSAIC_GPU_DUMP_PTXAS=1 on the first GPU run: no "wgmma.mma_async instructions are serialized").
 """
 
 import functools
@@ -122,14 +126,16 @@ def scan_forward_mosaic_ahead(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v
       plgpu.copy_gmem_to_smem(M_g.at[b, h, rows], M_s.at[slot, pl.ds(0, C)], bar)
       plgpu.copy_gmem_to_smem(sdec_g.at[b, h, c], sdec_s.at[slot], bar)
 
-    def decayed(S_KV, slot):
-      decay_K = plgpu.load(sdec_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
+    def decay_of(slot):
+      return plgpu.load(sdec_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
+
+    def decayed(S_KV, decay_K):
       return S_KV * lax.broadcast_in_dim(decay_K, S_KV.shape, [0])
 
-    def put_state(S_KV, slot):
-      """The B operands S and D S of the chunk in `slot`, entering it with state S_KV."""
+    def put_state(S_KV, decay_K):
+      """The B operands S and D S of a chunk entered with state S_KV, whose decay factors are decay_K."""
       S_s[...] = S_KV.astype(bf)
-      DS_s[...] = decayed(S_KV, slot).astype(bf)
+      DS_s[...] = decayed(S_KV, decay_K).astype(bf)
 
     for slot in range(stages):
       fetch(slot, slot)
@@ -137,7 +143,7 @@ def scan_forward_mosaic_ahead(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v
     # Chunk 0's V' the two-trip way: U_0 - W_0 S_0.
     plgpu.barrier_wait(loaded.at[0])
     S_KV = plgpu.load(S0_g.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
-    put_state(S_KV, 0)
+    put_state(S_KV, decay_of(0))
     plgpu.commit_smem()
 
     def first_values(y_acc):
@@ -159,32 +165,36 @@ def scan_forward_mosaic_ahead(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v
       if ahead:
         plgpu.barrier_wait(loaded.at[nslot])
 
-      def products(y_acc, o_acc, s_acc):
+      def products(y_acc, s_acc, o_acc):
+        # Oldest first, as they are waited for: V'_{c+1} (the chain), then the state, then O.
         if ahead:
-          # Oldest first: the wait below for V'_{c+1} leaves the three products of this chunk running.
           plgpu.wgmma(y_acc, Wq_s.at[nslot, pl.ds(0, X)], DS_s)
           plgpu.wgmma(y_acc, M_s.at[nslot], Vp_s.at[pl.ds(0, C)])
+        plgpu.wgmma(s_acc, kd_s.at[slot].transpose((1, 0)), Vp_s.at[pl.ds(0, C)])
         # qg S on rows [C, 2C) of the stacked tile, which the output tile's rows line up with; A_qk sits
         # in the same rows of its own tile.
         plgpu.wgmma(o_acc, Wq_s.at[slot, pl.ds(lo, R - lo)], S_s)
         plgpu.wgmma(o_acc, Aqk_s.at[slot], Vp_s.at[pl.ds(0, C)])
-        plgpu.wgmma(s_acc, kd_s.at[slot].transpose((1, 0)), Vp_s.at[pl.ds(0, C)])
-        S_dec = decayed(S_KV, slot)  # overlaps the products
-        Vp_next = None
+        # Register work while the tensor cores run: this chunk's decay of S, and the next one's decay
+        # factors for D S.
+        S_dec = decayed(S_KV, decay_of(slot))
+        Vp_next = next_decay = None
         if ahead:
+          next_decay = plgpu.load(sdec_s.at[nslot], layout=plgpu.Layout.WGMMA.reduce(1))
           # Rows past C are garbage (U and M were not loaded there) and are never read back.
           Vp_next = U_s.at[nslot][...].astype(f32) - plgpu.wgmma_accumulator_load(y_acc, wait_n=3)
-        return Vp_next, o_acc[...], S_dec + s_acc[...]
+        S_next = S_dec + plgpu.wgmma_accumulator_load(s_acc, wait_n=2)  # while O's products run
+        return Vp_next, S_next, next_decay, o_acc[...]
 
-      Vp_next, o_OV, S_KV = pl.run_scoped(products, plgpu.ACC((X, BV), f32), plgpu.ACC((R - lo, BV), f32),
-                                          plgpu.ACC((K, BV), f32))
+      Vp_next, S_KV, next_decay, o_OV = pl.run_scoped(
+          products, plgpu.ACC((X, BV), f32), plgpu.ACC((K, BV), f32), plgpu.ACC((R - lo, BV), f32))
       # Stores go out per step as state, V' (keep mode) and O. With at most the last O store unfinished,
       # the state and V' tiles have been read, and so has the output tile of two steps ago.
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)
       out = o_s.at[lax.rem(c, 2)]
       out[...] = o_OV.astype(out_dtype)
       if ahead:
-        put_state(S_KV, nslot)
+        put_state(S_KV, next_decay)
         Vp_s[...] = Vp_next.astype(bf)
       plgpu.commit_smem()
       # Every read of chunk c's slot is done (its W, U and M went into the step before), and the fence

@@ -120,14 +120,16 @@ def scan_backward_mosaic_ahead(dO, Aqk, kd, W, qg, sdec, dSfin, *, store_dtype, 
       plgpu.copy_gmem_to_smem(P_g.at[b, h, rows], P_s.at[slot, pl.ds(0, C)], bar)
       plgpu.copy_gmem_to_smem(Q_g.at[b, h, rows], Q_s.at[slot, pl.ds(0, C)], bar)
 
-    def decayed(dS_KV, slot):
-      decay_K = plgpu.load(sdec_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
+    def decay_of(slot):
+      return plgpu.load(sdec_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
+
+    def decayed(dS_KV, decay_K):
       return dS_KV * lax.broadcast_in_dim(decay_K, dS_KV.shape, [0])
 
-    def put_state(dS_KV, slot):
-      """The B operands dS and D dS of the chunk in `slot`, whose update dS_KV enters."""
+    def put_state(dS_KV, decay_K):
+      """The B operands dS and D dS of a chunk whose update dS_KV enters and whose decay is decay_K."""
       S_s[...] = dS_KV.astype(bf)
-      DS_s[...] = decayed(dS_KV, slot).astype(bf)
+      DS_s[...] = decayed(dS_KV, decay_K).astype(bf)
 
     def put_values(dVp_XV):
       """-dV' as a B operand (wgmma only adds) and dV' on its way out; rows past C are garbage."""
@@ -144,7 +146,7 @@ def scan_backward_mosaic_ahead(dO, Aqk, kd, W, qg, sdec, dSfin, *, store_dtype, 
     # The last chunk's dV' the two-trip way: A_qk^T dO + kd dS_fin.
     plgpu.barrier_wait(loaded.at[0])
     dS_KV = plgpu.load(dSfin_g.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
-    put_state(dS_KV, 0)
+    put_state(dS_KV, decay_of(0))
     plgpu.commit_smem()
 
     def last_values(v_acc):
@@ -172,15 +174,19 @@ def scan_backward_mosaic_ahead(dO, Aqk, kd, W, qg, sdec, dSfin, *, store_dtype, 
           plgpu.wgmma(v_acc, Q_s.at[slot], Vn_s.at[pl.ds(0, C)])
         plgpu.wgmma(s_acc, qg_s.at[slot].transpose((1, 0)), dO_s.at[slot])
         plgpu.wgmma(s_acc, W_s.at[slot].transpose((1, 0)), Vn_s.at[pl.ds(0, C)])
-        dS_dec = decayed(dS_KV, slot)  # overlaps the products
-        dVp_prev = plgpu.wgmma_accumulator_load(v_acc, wait_n=2) if ahead else None
-        return dVp_prev, dS_dec + s_acc[...]
+        # Register work while the tensor cores run: this chunk's decay of dS, the previous one's factors.
+        dS_dec = decayed(dS_KV, decay_of(slot))
+        dVp_prev = prev_decay = None
+        if ahead:
+          prev_decay = decay_of(pslot)
+          dVp_prev = plgpu.wgmma_accumulator_load(v_acc, wait_n=2)
+        return dVp_prev, prev_decay, dS_dec + s_acc[...]
 
-      dVp_prev, dS_KV = pl.run_scoped(products, plgpu.ACC((X, BV), f32), plgpu.ACC((K, BV), f32))
+      dVp_prev, prev_decay, dS_KV = pl.run_scoped(products, plgpu.ACC((X, BV), f32), plgpu.ACC((K, BV), f32))
       if ahead:
         # The stores of the step before (issued a whole step of work ago) read the tiles rewritten here.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        put_state(dS_KV, pslot)
+        put_state(dS_KV, prev_decay)
         put_values(dVp_prev)
         plgpu.commit_smem()
       # Every read of chunk c's slot is done, and the fence above orders sdec's before the refill.
