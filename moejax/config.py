@@ -13,6 +13,7 @@ import ml_collections
 MIXERS = ("kda", "mla")
 BALANCE_MODES = ("quantile", "sign", "aux", "none")
 GROUPED_MATMULS = ("auto", "xla", "pallas", "interpret")
+ROUTER_MATMULS = ("f32", "bf16x3")  # moejax.layers.router.router_scores
 BALANCE_IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")
 MLA_ATTENTIONS = ("auto", "xla", "cudnn", "pallas", "interpret")
 RESIDUAL_MODES = ("attnres", "residual")
@@ -119,6 +120,9 @@ def base_config() -> ml_collections.ConfigDict:
   # The experts' grouped matmuls: "auto" (Pallas kernel on GPU, jax.lax.ragged_dot elsewhere), "xla",
   # "pallas" (GPU only) or "interpret" (the Pallas kernels in interpret mode, slow; for tests).
   e.grouped_matmul = "auto"
+  # The router's logits x W_r: "f32" (one float32 matmul at HIGHEST precision) or "bf16x3" (the same
+  # products on bf16 tensor cores, W_r as three exact bf16 parts; needs model.dtype bfloat16).
+  e.router_matmul = "f32"
 
   lo = m.loss = ml_collections.ConfigDict()
   lo.z_loss_weight = 0.0
@@ -265,6 +269,10 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"model.moe.grouped_matmul={e.grouped_matmul!r} not in {GROUPED_MATMULS}")
     need(e.balance_implementation in BALANCE_IMPLEMENTATIONS,
          f"model.moe.balance_implementation={e.balance_implementation!r} not in {BALANCE_IMPLEMENTATIONS}")
+    need(e.router_matmul in ROUTER_MATMULS,
+         f"model.moe.router_matmul={e.router_matmul!r} not in {ROUTER_MATMULS}")
+    need(e.router_matmul != "bf16x3" or m.dtype == "bfloat16",
+         f"model.moe.router_matmul='bf16x3' needs model.dtype='bfloat16' (got {m.dtype!r})")
     need(e.num_shared >= 0, "model.moe.num_shared must be >= 0")
     need(isinstance(e.token_chunk, int) and e.token_chunk >= 0,
          f"model.moe.token_chunk must be an integer >= 0 (0: no chunking), got {e.token_chunk!r}")

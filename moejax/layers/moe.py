@@ -56,7 +56,7 @@ def _routed(w, x_BTD, segment_ids_BT, bias_E, *, cfg, stats_wanted: bool, axes: 
 
   # The named scopes label the layer's parts in profiles (benchmarks/trace_parts.py).
   with jax.named_scope("router"):
-    s_ME = router_scores(x_MD, w["router"])
+    s_ME = router_scores(x_MD, w["router"], e.router_matmul)
     idx_MK, p_MK = select_experts(s_ME, bias_E, k, e.routed_scaling)
     stats = {"load": reduce(expert_load(idx_MK, n))}
 

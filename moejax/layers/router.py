@@ -6,14 +6,74 @@ All functions act on one shard of tokens; under shard_map the caller reduces the
 import jax
 import jax.numpy as jnp
 
+from moejax.config import ROUTER_MATMULS
 from pallas_kernels.segments import document_ids
 
 
-def router_scores(x_MD, w_DE):
-  """s = sigmoid(x W_r), in float32 whatever the compute dtype: the top-k is sensitive to rounding."""
-  logits_ME = jnp.dot(x_MD.astype(jnp.float32), w_DE.astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST)
+def router_scores(x_MD, w_DE, matmul: str = "f32"):
+  """s = sigmoid(x W_r), in float32 whatever the compute dtype: the top-k is sensitive to rounding.
+
+  matmul: "f32", one float32 matmul at Precision.HIGHEST (on the GPU, CUDA cores: the H200 step's
+  router took 5.8 ms of matmuls for 0.2 TFLOP, BENCHMARKS.md "Training step profile"); "bf16x3", the
+  same products on bf16 tensor cores (`logits_bf16x3`: float32 W as three exact bf16 parts, bf16 x
+  only)."""
+  if matmul == "f32":
+    logits_ME = jnp.dot(x_MD.astype(jnp.float32), w_DE.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST)
+  elif matmul == "bf16x3":
+    logits_ME = logits_bf16x3(x_MD, w_DE)
+  else:
+    raise ValueError(f"router matmul {matmul!r} not in {ROUTER_MATMULS}")
   return jax.nn.sigmoid(logits_ME)
+
+
+def _bf16_parts(x, n: int):
+  """n bf16 arrays whose sum is float32 x: exactly for n = 3 (8 + 8 + 8 significant bits); n = 2
+  leaves a relative error below 2^-16."""
+  parts, rest = [], x.astype(jnp.float32)
+  for _ in range(n):
+    parts.append(rest.astype(jnp.bfloat16))
+    rest = rest - parts[-1].astype(jnp.float32)
+  return parts
+
+
+def _column_blocks_sum(y, n: int):
+  """[..., n E] -> [...,  E]: the sum of its n column blocks."""
+  E = y.shape[-1] // n
+  return sum(y[..., i * E:(i + 1) * E] for i in range(n))
+
+
+@jax.custom_vjp
+def logits_bf16x3(x_MD, w_DE):
+  """x W [M, E] float32 for bf16 x and float32 W, on bf16 tensor cores: W split into three bf16 parts
+  whose sum is W exactly, side by side in one [D, 3E] operand, so that one matmul makes x W_hi, x W_mid
+  and x W_lo. Each product of a bf16 pair is exact in float32, and the sums are float32, as in a
+  float32 matmul at HIGHEST: the same precision, summed in another order.
+
+  Backward: dW = x^T dlogits likewise exact (dlogits in three parts); dx = dlogits W^T from two parts of
+  each (hi hi + hi lo + lo hi, relative error about 2^-16), as dx is rounded to bf16 anyway."""
+  if x_MD.dtype != jnp.bfloat16:
+    raise ValueError(f"logits_bf16x3 takes bf16 activations (the split is exact for them only), got "
+                     f"{x_MD.dtype}")
+  w3 = jnp.concatenate(_bf16_parts(w_DE, 3), axis=1)
+  return _column_blocks_sum(jnp.dot(x_MD, w3, preferred_element_type=jnp.float32), 3)
+
+
+def _logits_fwd(x_MD, w_DE):
+  return logits_bf16x3(x_MD, w_DE), (x_MD, w_DE)
+
+
+def _logits_bwd(res, dl_ME):
+  x_MD, w_DE = res
+  dl_hi, dl_lo = _bf16_parts(dl_ME, 2)
+  w_hi, w_lo = _bf16_parts(w_DE, 2)
+  dx = jnp.dot(jnp.concatenate([dl_hi, dl_hi, dl_lo], axis=1),
+               jnp.concatenate([w_hi, w_lo, w_hi], axis=1).T, preferred_element_type=jnp.float32)
+  dw = jnp.dot(x_MD.T, jnp.concatenate(_bf16_parts(dl_ME, 3), axis=1), preferred_element_type=jnp.float32)
+  return dx.astype(x_MD.dtype), _column_blocks_sum(dw, 3).astype(w_DE.dtype)
+
+
+logits_bf16x3.defvjp(_logits_fwd, _logits_bwd)
 
 
 def select_experts(s_ME, bias_E, k: int, scaling: float):

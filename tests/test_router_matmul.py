@@ -1,0 +1,70 @@
+"""The router's logits on bf16 tensor cores (moejax.layers.router.logits_bf16x3) against float64 and
+against the float32 matmul at HIGHEST that it replaces: forward, dx and dW, over random shapes and
+weights of wide dynamic range."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moejax.layers.router import logits_bf16x3, router_scores
+
+
+def inputs(seed, M, D, E):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.normal(size=(M, D)), jnp.bfloat16)
+  # Weights over eight decades, so that every one of the three bf16 parts matters.
+  w = jnp.asarray(rng.normal(size=(D, E)) * 10.0 ** rng.uniform(-6, 2, size=(D, E)), jnp.float32)
+  dl = jnp.asarray(rng.normal(size=(M, E)) * 10.0 ** rng.uniform(-4, 1, size=(M, E)), jnp.float32)
+  return x, w, dl
+
+
+def f32_highest(x, w):
+  return jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@settings(max_examples=12, deadline=None)
+@given(M=st.integers(1, 96), D=st.integers(1, 160), E=st.integers(1, 72), seed=st.integers(0, 2**16))
+def test_matches_float64_and_the_highest_precision_matmul(M, D, E, seed):
+  x, w, dl = inputs(seed, M, D, E)
+  x64, w64, dl64 = (np.asarray(a, np.float64) for a in (x, w, dl))
+  got, vjp = jax.vjp(logits_bf16x3, x, w)
+  dx, dw = vjp(dl)
+  want, vjp_f32 = jax.vjp(f32_highest, x, w)
+  dx_f32, dw_f32 = vjp_f32(dl)
+  assert got.dtype == jnp.float32 and dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+  # Float32 sums of exact products: within float32 rounding of float64, like HIGHEST.
+  tol = 4 * D * np.finfo(np.float32).eps
+  assert rel(got, x64 @ w64) <= tol and rel(want, x64 @ w64) <= tol
+  assert rel(dw, x64.T @ dl64) <= 4 * M * np.finfo(np.float32).eps
+  # dx is rounded to bf16 like the float32 path's; its two-part product adds far less than that.
+  dx64 = dl64 @ w64.T
+  assert rel(dx, dx64) <= 2.0**-8 and rel(dx, dx_f32) <= 2.0**-8
+  np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(dx_f32, np.float32), rtol=2.0**-7,
+                             atol=float(np.abs(dx64).max()) * 2.0**-14)
+
+
+def test_router_scores_choose_the_same_experts():
+  """At a router's scale (unit activations, weights ~ N(0, 1/D)) the scores agree to float32 rounding
+  of the logits, and so does the top-k."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(size=(256, 128)), jnp.bfloat16)
+  w = jnp.asarray(rng.normal(size=(128, 64)) / np.sqrt(128), jnp.float32)
+  s_f32, s_split = router_scores(x, w, "f32"), router_scores(x, w, "bf16x3")
+  np.testing.assert_allclose(np.asarray(s_split), np.asarray(s_f32), rtol=1e-6, atol=1e-7)
+  assert np.array_equal(np.asarray(jax.lax.top_k(s_split, 8)[1]), np.asarray(jax.lax.top_k(s_f32, 8)[1]))
+
+
+def test_rejects_what_it_cannot_split():
+  x, w, _ = inputs(0, 4, 8, 2)
+  with pytest.raises(ValueError, match="bf16 activations"):
+    logits_bf16x3(x.astype(jnp.float32), w)
+  with pytest.raises(ValueError, match="router matmul 'tf32' not in"):
+    router_scores(x, w, "tf32")
