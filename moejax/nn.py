@@ -96,7 +96,7 @@ def matmul(spec: str, x, w, dtype, out_dtype=None):
   gradient is accumulated and returned in float32 (w's dtype), x's in the compute dtype.
   """
   _einsum_parts(spec)
-  x, w = _same_varying_axes(x.astype(dtype), w)
+  x, w = same_varying_axes(x.astype(dtype), w)
   # Named, because a remat policy cannot see the dot inside the custom VJP (model.DOTS_POLICY saves it).
   return checkpoint_name(_lowp_einsum(spec, x, w, jnp.dtype(out_dtype or dtype)), MATMUL_NAME)
 
@@ -108,7 +108,7 @@ def _varying_axes(x) -> frozenset:
   return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
 
 
-def _same_varying_axes(x, w):
+def same_varying_axes(x, w):
   """Inside shard_map, marks each operand as varying over the axes the other varies over, as a plain
   einsum does implicitly: a custom VJP's gradient must vary exactly as its operand does, and the
   transpose of this cast sums a replicated weight's gradient over the shards."""

@@ -296,3 +296,18 @@ def test_train_step_on_a_data_x_expert_mesh_matches_one_device():
       np.testing.assert_allclose(float(b[key]), float(a[key]), rtol=2e-5, err_msg=key)
   chex.assert_trees_all_close(jax.device_get(sharded.params), jax.device_get(state.params), atol=2e-5,
                               rtol=2e-4)
+
+
+def test_bf16x3_router_on_mesh_equals_single_device():
+  """The router's bf16 tensor-core logits (a custom VJP) inside the expert-parallel shard_map: the
+  weight's gradient is summed over the token shards, as the float32 router's is."""
+  c = ep_cfg(router_matmul="bf16x3").as_configdict()
+  c.dtype = "bfloat16"
+  cfg = ml_collections.FrozenConfigDict(c)
+  model, x, params, balance = layer_setup(cfg)
+  y0, _, grads0 = layer_fwd_bwd(model, params, balance, x)
+  with jax.set_mesh(meshlib.make_mesh(data=2, expert=4)):
+    y, _, grads = layer_fwd_bwd(model, params, balance, jax.device_put(x, P("data", None, None)))
+  f32 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)
+  chex.assert_trees_all_close(f32(y), f32(y0), atol=2e-2, rtol=2e-2)
+  chex.assert_trees_all_close(f32(grads[0]["router"]), f32(grads0[0]["router"]), atol=1e-4, rtol=1e-3)

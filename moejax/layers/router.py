@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import ROUTER_MATMULS
+from moejax.nn import same_varying_axes
 from pallas_kernels.segments import document_ids
 
 
@@ -21,7 +22,9 @@ def router_scores(x_MD, w_DE, matmul: str = "f32"):
     logits_ME = jnp.dot(x_MD.astype(jnp.float32), w_DE.astype(jnp.float32),
                         precision=jax.lax.Precision.HIGHEST)
   elif matmul == "bf16x3":
-    logits_ME = logits_bf16x3(x_MD, w_DE)
+    # Inside shard_map the replicated weight is marked as varying like the tokens, so that the custom
+    # VJP's weight gradient matches it and the cast's transpose sums it over the shards.
+    logits_ME = logits_bf16x3(*same_varying_axes(x_MD, w_DE))
   else:
     raise ValueError(f"router matmul {matmul!r} not in {ROUTER_MATMULS}")
   return jax.nn.sigmoid(logits_ME)
