@@ -5,9 +5,10 @@ All functions act on one shard of tokens; under shard_map the caller reduces the
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from moejax.config import ROUTER_MATMULS
-from moejax.nn import same_varying_axes
+from moejax.nn import MATMUL_NAME, same_varying_axes
 from pallas_kernels.segments import document_ids
 
 
@@ -24,19 +25,24 @@ def router_scores(x_MD, w_DE, matmul: str = "f32"):
   elif matmul == "bf16x3":
     # Inside shard_map the replicated weight is marked as varying like the tokens, so that the custom
     # VJP's weight gradient matches it and the cast's transpose sums it over the shards.
-    logits_ME = logits_bf16x3(*same_varying_axes(x_MD, w_DE))
+    # Named like nn.matmul's dots, so that remat policies that save dots (model.DOTS_POLICY) keep it.
+    logits_ME = checkpoint_name(logits_bf16x3(*same_varying_axes(x_MD, w_DE)), MATMUL_NAME)
   else:
     raise ValueError(f"router matmul {matmul!r} not in {ROUTER_MATMULS}")
   return jax.nn.sigmoid(logits_ME)
 
 
 def _bf16_parts(x, n: int):
-  """n bf16 arrays whose sum is float32 x: exactly for n = 3 (8 + 8 + 8 significant bits); n = 2
-  leaves a relative error below 2^-16."""
+  """n bf16 arrays whose sum is float32 x: exactly for n = 3 (8 + 8 + 8 significant bits) where |x| is
+  between about 2^-102 (below, the last parts underflow) and 3.39e38 (above, the first rounds to inf);
+  n = 2 leaves a relative error below 2^-16. Each part is rounded by reduce_precision, which XLA keeps:
+  a float32 -> bf16 -> float32 round trip is one that XLA:GPU removes under its default excess
+  precision (SimplifyFPConversions), which would leave the later parts zero."""
   parts, rest = [], x.astype(jnp.float32)
   for _ in range(n):
-    parts.append(rest.astype(jnp.bfloat16))
-    rest = rest - parts[-1].astype(jnp.float32)
+    part = jax.lax.reduce_precision(rest, exponent_bits=8, mantissa_bits=7)
+    parts.append(part.astype(jnp.bfloat16))
+    rest = rest - part
   return parts
 
 
@@ -51,7 +57,9 @@ def logits_bf16x3(x_MD, w_DE):
   """x W [M, E] float32 for bf16 x and float32 W, on bf16 tensor cores: W split into three bf16 parts
   whose sum is W exactly, side by side in one [D, 3E] operand, so that one matmul makes x W_hi, x W_mid
   and x W_lo. Each product of a bf16 pair is exact in float32, and the sums are float32, as in a
-  float32 matmul at HIGHEST: the same precision, summed in another order.
+  float32 matmul at HIGHEST: comparable precision (tensor cores align their float32 sums by truncation),
+  summed in another order. For |W| up to about 3.39e38 (`_bf16_parts`); reverse-mode only (a custom
+  VJP: jax.jvp and jacfwd raise).
 
   Backward: dW = x^T dlogits likewise exact (dlogits in three parts); dx = dlogits W^T from two parts of
   each (hi hi + hi lo + lo hi, relative error about 2^-16), as dx is rounded to bf16 anyway."""

@@ -7,8 +7,8 @@ Walking the chunks from the last, with dS_c the cotangent of the state leaving c
 so chunk c-1's dV' follows from what chunk c already has:
   dV'_{c-1} = A_qk,c-1^T dO_{c-1} + kd_{c-1} (D_c dS_c) + P_c dO_c - Q_c dV'_c,
   P_c = kd_{c-1} qg_c^T,  Q_c = kd_{c-1} W_c^T  [C, C].
-Every product of a step reads dS_c, D_c dS_c and dV'_c, which the step before left in shared memory,
-plus the inputs of chunks c and c-1, and one wait covers them all.
+Every product of a step reads D_c dS_c or dV'_c, which the step before left in shared memory (with dS_c,
+the source of its store), plus the inputs of chunks c and c-1, and one wait covers them all.
 
 - P and Q are made by XLA before the kernel (`ahead_products_backward`), bf16 [B,H,T,C] like A_qk, chunk
   c's rows holding P_c and Q_c (chunk 0's zero). Resets need nothing more, as in the forward: kd's rows
