@@ -115,6 +115,19 @@ def assert_lowers_counting_smem(f, args, need: int):
   assert "mosaic_gpu" in lower().as_text()
 
 
+def benchmark_args(C, backward=False):
+  """ShapeDtypeStructs of a scan's operands at kda_backend.py's shape (B=2 T=8192 H=16 K=V=128, bf16):
+  (W, U, qg, kd, A_qk, sdec, S0) forward, (dO, A_qk, kd, W, qg, sdec, dS_fin) backward."""
+  B, H, T, D = 2, 16, 8192, 128
+  sd = jax.ShapeDtypeStruct
+  bf = jnp.bfloat16
+  bhtd, aqk = sd((B, H, T, D), bf), sd((B, H, T, C), bf)
+  sdec, state = sd((B, H, T // C, D), jnp.float32), sd((B, H, D, D), jnp.float32)
+  if backward:
+    return sd((B, T, H, D), bf), aqk, bhtd, bhtd, bhtd, sdec, state
+  return bhtd, bhtd, bhtd, bhtd, aqk, sdec, state
+
+
 def races_found():
   """Whether the interpreter's race detector saw a race since the last reset (a private jax API; None
   where it moved)."""
@@ -206,15 +219,11 @@ def test_lowers_for_cuda_at_the_benchmark_shapes(C, block_v, stages, keep):
   """B=2 T=8192 H=16 K=V=128 as benchmarks/kda_backend.py runs it, and with keep mode as training runs it:
   Mosaic GPU lowers the kernel (what the GPU adds is ptxas) and counts the shared memory smem_bytes
   predicts, to the byte, so it refuses exactly the settings smem_bytes puts past the H200's."""
-  B, H, T, D = 2, 16, 8192, 128
-  sd = jax.ShapeDtypeStruct
   bf = jnp.bfloat16
-  args = (sd((B, H, T, D), bf), sd((B, H, T, D), bf), sd((B, H, T, D), bf), sd((B, H, T, D), bf),
-          sd((B, H, T, C), bf), sd((B, H, T // C, D), jnp.float32), sd((B, H, D, D), jnp.float32))
   states_dtype = bf if keep else None
   f = jax.jit(lambda *a: scan_forward_mosaic(*a, out_dtype=bf, block_v=block_v, stages=stages,
                                              states_dtype=states_dtype))
-  assert_lowers_counting_smem(f, args, smem_bytes(D, C, block_v, stages, bf))
+  assert_lowers_counting_smem(f, benchmark_args(C), smem_bytes(128, C, block_v, stages, bf))
 
 
 @pytest.mark.parametrize("K,C,block_v,store_dtype,stages,why", [
@@ -275,15 +284,10 @@ def test_backward_rejects_shapes_it_cannot_tile(K, C, block_v, V):
 def test_backward_lowers_for_cuda_at_the_benchmark_shapes(C, block_v):
   """B=2 T=8192 H=16 K=V=128 as benchmarks/kda_backend.py and training run it, two slots: Mosaic GPU lowers
   the kernel and counts the shared memory smem_bytes_backward predicts, to the byte."""
-  B, H, T, D = 2, 16, 8192, 128
-  sd = jax.ShapeDtypeStruct
-  bf = jnp.bfloat16
-  args = (sd((B, T, H, D), bf), sd((B, H, T, C), bf), sd((B, H, T, D), bf), sd((B, H, T, D), bf),
-          sd((B, H, T, D), bf), sd((B, H, T // C, D), jnp.float32), sd((B, H, D, D), jnp.float32))
-  f = jax.jit(lambda *a: scan_backward_mosaic(*a, store_dtype=bf, block_v=block_v, stages=2))
-  need = smem_bytes_backward(D, C, block_v, 2)
+  f = jax.jit(lambda *a: scan_backward_mosaic(*a, store_dtype=jnp.bfloat16, block_v=block_v, stages=2))
+  need = smem_bytes_backward(128, C, block_v, 2)
   assert need <= H200_SMEM
-  assert_lowers_counting_smem(f, args, need)
+  assert_lowers_counting_smem(f, benchmark_args(C, backward=True), need)
 
 
 @pytest.mark.parametrize("K,C,block_v,store_dtype,stages,why", [

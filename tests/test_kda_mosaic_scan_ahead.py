@@ -13,6 +13,7 @@ from test_kda_mosaic_scan import (
   H200_SMEM,
   assert_lowers_counting_smem,
   backward_inputs,
+  benchmark_args,
   races_found,
   recurrence,
   recurrence_backward,
@@ -106,7 +107,7 @@ def test_keep_mode(C, V, block_v, stages):
 
 def test_rejects_what_it_cannot_run():
   inputs = scan_inputs(0, B=1, H=1, N=3, C=32, K=64, V=32, dtype=jnp.bfloat16)
-  with pytest.raises(ValueError, match="stages >= 2"):
+  with pytest.raises(ValueError, match="stages must be >= 2"):
     scan_forward_mosaic_ahead(*inputs, out_dtype=jnp.bfloat16, block_v=32, stages=1, interpret=True)
   with pytest.raises(ValueError, match="states_dtype"):
     scan_forward_mosaic_ahead(*inputs, out_dtype=jnp.bfloat16, block_v=32, states_dtype=jnp.float32,
@@ -122,14 +123,10 @@ def test_rejects_what_it_cannot_run():
 def test_lowers_for_cuda_at_the_benchmark_shapes(C, block_v, keep):
   """B=2 T=8192 H=16 K=V=128 at the op's 3 slots: Mosaic GPU lowers the kernel and counts the shared
   memory smem_bytes_ahead predicts, to the byte (and refuses the settings it puts past the H200's)."""
-  B, H, T, D = 2, 16, 8192, 128
-  sd = jax.ShapeDtypeStruct
   bf = jnp.bfloat16
-  args = (sd((B, H, T, D), bf), sd((B, H, T, D), bf), sd((B, H, T, D), bf), sd((B, H, T, D), bf),
-          sd((B, H, T, C), bf), sd((B, H, T // C, D), jnp.float32), sd((B, H, D, D), jnp.float32))
   f = jax.jit(lambda *a: scan_forward_mosaic_ahead(*a, out_dtype=bf, block_v=block_v, stages=3,
                                                    states_dtype=bf if keep else None))
-  assert_lowers_counting_smem(f, args, smem_bytes_ahead(D, C, block_v, 3, bf))
+  assert_lowers_counting_smem(f, benchmark_args(C), smem_bytes_ahead(128, C, block_v, 3, bf))
 
 
 @pytest.mark.parametrize("K,C,block_v,store_dtype,stages,why", [
@@ -181,7 +178,7 @@ def test_look_ahead_products_backward():
 
 def test_backward_rejects_what_it_cannot_run():
   inputs = backward_inputs(0, B=1, H=1, N=3, C=32, K=64, V=32, dtype=jnp.bfloat16)
-  with pytest.raises(ValueError, match="stages >= 2"):
+  with pytest.raises(ValueError, match="stages must be >= 2"):
     scan_backward_mosaic_ahead(*inputs, store_dtype=jnp.bfloat16, block_v=32, stages=1, interpret=True)
   with pytest.raises(ValueError, match="store_dtype"):
     scan_backward_mosaic_ahead(*inputs, store_dtype=jnp.float32, block_v=32, interpret=True)
@@ -191,13 +188,9 @@ def test_backward_rejects_what_it_cannot_run():
 @pytest.mark.parametrize("C", [32, 64])
 def test_backward_lowers_for_cuda_at_the_benchmark_shapes(C, block_v):
   """B=2 T=8192 H=16 K=V=128 at 3 slots: lowered for CUDA with the shared memory predicted to the byte."""
-  B, H, T, D = 2, 16, 8192, 128
-  sd = jax.ShapeDtypeStruct
-  bf = jnp.bfloat16
-  args = (sd((B, T, H, D), bf), sd((B, H, T, C), bf), sd((B, H, T, D), bf), sd((B, H, T, D), bf),
-          sd((B, H, T, D), bf), sd((B, H, T // C, D), jnp.float32), sd((B, H, D, D), jnp.float32))
-  f = jax.jit(lambda *a: scan_backward_mosaic_ahead(*a, store_dtype=bf, block_v=block_v, stages=3))
-  assert_lowers_counting_smem(f, args, smem_bytes_backward_ahead(D, C, block_v, 3))
+  f = jax.jit(lambda *a: scan_backward_mosaic_ahead(*a, store_dtype=jnp.bfloat16, block_v=block_v, stages=3))
+  need = smem_bytes_backward_ahead(128, C, block_v, 3)
+  assert_lowers_counting_smem(f, benchmark_args(C, backward=True), need)
 
 
 @pytest.mark.parametrize("K,C,block_v,store_dtype,stages,why", [

@@ -85,6 +85,32 @@ def check_shapes(K: int, C: int, block_v: int, V: int):
     raise ValueError(f"V block {block_v} must divide the value width {V}")
 
 
+def check_scan(K: int, C: int, block_v: int, V: int, T: int, stages: int, bf16_stores: tuple = (),
+               min_stages: int = 1):
+  """Raises ValueError for what a Mosaic scan cannot take: shapes (check_shapes), a length that is not
+  a whole number of chunks, fewer than min_stages slots, or stores asked for in another dtype than bf16
+  (bf16_stores: (name, dtype) pairs; the kernels store their bf16 operand tiles)."""
+  for name, dtype in bf16_stores:
+    if jnp.dtype(dtype) != jnp.bfloat16:
+      raise ValueError(f"{name} must be bfloat16 (the kernel stores its bf16 operand tiles), got "
+                       f"{jnp.dtype(dtype).name}")
+  check_shapes(K, C, block_v, V)
+  if T % C:
+    raise ValueError(f"length {T} must be a whole number of chunks of {C}")
+  if stages < min_stages:
+    why = " (the look-ahead scans read two chunks at once)" if min_stages > 1 else ""
+    raise ValueError(f"stages must be >= {min_stages}{why}, got {stages}")
+
+
+def launch(body, out_type, scratch, *, grid, interpret, name: str):
+  """The scans' plgpu.kernel: one warpgroup per program over grid = (V blocks, heads, batch rows), named
+  v, h, b; interpret True (or plgpu.InterpretGPUParams) runs it in Mosaic GPU interpret mode."""
+  if interpret is True:
+    interpret = plgpu.InterpretGPUParams()
+  return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("v", "h", "b"),
+                      interpret=interpret or None, kernel_name=name)
+
+
 def tile_rows(C: int):
   """Rows of the stacked tiles at chunk C: R of [W; qg] (W in rows [0, C), qg in [C, 2C)), `lo`, the
   first row of [W; qg] that the output tile covers, and X of the U and V' tiles (rows [0, C) used)."""
@@ -139,15 +165,8 @@ def scan_forward_mosaic(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int,
   C = Aqk.shape[-1]
   N = T // C
   BV = block_v
-  check_shapes(K, C, BV, V)
-  if T % C:
-    raise ValueError(f"length {T} must be a whole number of chunks of {C}")
-  if stages < 1:
-    raise ValueError(f"stages must be >= 1, got {stages}")
   keep = states_dtype is not None
-  if keep and jnp.dtype(states_dtype) != jnp.bfloat16:
-    raise ValueError(f"states_dtype must be bfloat16 (the kernel stores its bf16 operand tiles), got "
-                     f"{jnp.dtype(states_dtype).name}")
+  check_scan(K, C, BV, V, T, stages, bf16_stores=(("states_dtype", states_dtype),) if keep else ())
   stages = min(stages, N)
   R, lo, X = tile_rows(C)
   first = C - lo  # first valid row of the output tile
@@ -247,10 +266,7 @@ def scan_forward_mosaic(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int,
   out_type = [jax.ShapeDtypeStruct((B, T, H, V), out_dtype), jax.ShapeDtypeStruct((B, H, K, V), f32)]
   if keep:
     out_type += [jax.ShapeDtypeStruct((B, H, N, K, V), bf), jax.ShapeDtypeStruct((B, H, T, V), bf)]
-  if interpret is True:
-    interpret = plgpu.InterpretGPUParams()
-  run = plgpu.kernel(
-      body, out_type=tuple(out_type), scratch_types=scratch, grid=(V // BV, H, B), grid_names=("v", "h", "b"),
-      interpret=interpret or None, kernel_name="kda_scan_fwd_mosaic")
+  run = launch(body, tuple(out_type), scratch, grid=(V // BV, H, B), interpret=interpret,
+               name="kda_scan_fwd_mosaic")
   out = run(W, U, qg, kd, Aqk, sdec, S0)
   return tuple(out) if keep else (*out, None, None)

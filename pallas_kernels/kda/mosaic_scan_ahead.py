@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.mosaic_scan import check_shapes, shape_or_memory, smem_transforms, tile_rows
+from pallas_kernels.kda.mosaic_scan import check_scan, launch, shape_or_memory, smem_transforms, tile_rows
 
 
 def ahead_products(W, kd, C: int):
@@ -88,15 +88,9 @@ def scan_forward_mosaic_ahead(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v
   C = Aqk.shape[-1]
   N = T // C
   BV = block_v
-  check_shapes(K, C, BV, V)
-  if T % C:
-    raise ValueError(f"length {T} must be a whole number of chunks of {C}")
-  if stages < 2:
-    raise ValueError(f"the look-ahead scan needs stages >= 2 (it reads two chunks at once), got {stages}")
   keep = states_dtype is not None
-  if keep and jnp.dtype(states_dtype) != jnp.bfloat16:
-    raise ValueError(f"states_dtype must be bfloat16 (the kernel stores its bf16 operand tiles), got "
-                     f"{jnp.dtype(states_dtype).name}")
+  check_scan(K, C, BV, V, T, stages, bf16_stores=(("states_dtype", states_dtype),) if keep else (),
+             min_stages=2)
   stages = min(stages, N)
   R, lo, X = tile_rows(C)
   first = C - lo  # first valid row of the output tile
@@ -230,10 +224,7 @@ def scan_forward_mosaic_ahead(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v
   out_type = [jax.ShapeDtypeStruct((B, T, H, V), out_dtype), jax.ShapeDtypeStruct((B, H, K, V), f32)]
   if keep:
     out_type += [jax.ShapeDtypeStruct((B, H, N, K, V), bf), jax.ShapeDtypeStruct((B, H, T, V), bf)]
-  if interpret is True:
-    interpret = plgpu.InterpretGPUParams()
-  run = plgpu.kernel(
-      body, out_type=tuple(out_type), scratch_types=scratch, grid=(V // BV, H, B), grid_names=("v", "h", "b"),
-      interpret=interpret or None, kernel_name="kda_scan_fwd_mosaic_ahead")
+  run = launch(body, tuple(out_type), scratch, grid=(V // BV, H, B), interpret=interpret,
+               name="kda_scan_fwd_mosaic_ahead")
   out = run(W, U, qg, kd, Aqk, M, sdec, S0)
   return tuple(out) if keep else (*out, None, None)

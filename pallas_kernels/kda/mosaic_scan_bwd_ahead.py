@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.mosaic_scan import check_shapes, shape_or_memory, smem_transforms, tile_rows
+from pallas_kernels.kda.mosaic_scan import check_scan, launch, shape_or_memory, smem_transforms, tile_rows
 
 
 def ahead_products_backward(kd, qg, W, C: int):
@@ -82,14 +82,7 @@ def scan_backward_mosaic_ahead(dO, Aqk, kd, W, qg, sdec, dSfin, *, store_dtype, 
   C = Aqk.shape[-1]
   N = T // C
   BV = block_v
-  if jnp.dtype(store_dtype) != jnp.bfloat16:
-    raise ValueError(f"store_dtype must be bfloat16 (the kernel stores its bf16 operand tiles), got "
-                     f"{jnp.dtype(store_dtype).name}")
-  check_shapes(K, C, BV, V)
-  if T % C:
-    raise ValueError(f"length {T} must be a whole number of chunks of {C}")
-  if stages < 2:
-    raise ValueError(f"the look-ahead scan needs stages >= 2 (it reads two chunks at once), got {stages}")
+  check_scan(K, C, BV, V, T, stages, bf16_stores=(("store_dtype", store_dtype),), min_stages=2)
   stages = min(stages, N)
   X = tile_rows(C)[2]
   aqk_bands = 1 if X == C else C // 8  # as in mosaic_scan_bwd
@@ -220,9 +213,6 @@ def scan_backward_mosaic_ahead(dO, Aqk, kd, W, qg, sdec, dSfin, *, store_dtype, 
   ]
   out_type = (jax.ShapeDtypeStruct((B, H, T, V), bf), jax.ShapeDtypeStruct((B, H, N, K, V), bf),
               jax.ShapeDtypeStruct((B, H, K, V), f32))
-  if interpret is True:
-    interpret = plgpu.InterpretGPUParams()
-  run = plgpu.kernel(
-      body, out_type=out_type, scratch_types=scratch, grid=(V // BV, H, B), grid_names=("v", "h", "b"),
-      interpret=interpret or None, kernel_name="kda_scan_bwd_mosaic_ahead")
+  run = launch(body, out_type, scratch, grid=(V // BV, H, B), interpret=interpret,
+               name="kda_scan_bwd_mosaic_ahead")
   return run(dO, Aqk, kd, W, qg, sdec, P, Q, dSfin)
