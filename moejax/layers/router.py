@@ -47,7 +47,7 @@ def _bf16_parts(x, n: int):
 
 
 def _column_blocks_sum(y, n: int):
-  """[..., n E] -> [...,  E]: the sum of its n column blocks."""
+  """[..., n E] -> [..., E]: the sum of its n column blocks."""
   E = y.shape[-1] // n
   return sum(y[..., i * E:(i + 1) * E] for i in range(n))
 
@@ -64,8 +64,8 @@ def logits_bf16x3(x_MD, w_DE):
   Backward: dW = x^T dlogits likewise exact (dlogits in three parts); dx = dlogits W^T from two parts of
   each (hi hi + hi lo + lo hi, relative error about 2^-16), as dx is rounded to bf16 anyway."""
   if x_MD.dtype != jnp.bfloat16:
-    raise ValueError(f"logits_bf16x3 takes bf16 activations (the split is exact for them only), got "
-                     f"{x_MD.dtype}")
+    raise ValueError(f"logits_bf16x3 takes bf16 activations (only W is split, so x must be bf16 already), "
+                     f"got {x_MD.dtype}")
   w3 = jnp.concatenate(_bf16_parts(w_DE, 3), axis=1)
   return _column_blocks_sum(jnp.dot(x_MD, w3, preferred_element_type=jnp.float32), 3)
 
