@@ -111,6 +111,34 @@ def launch(body, out_type, scratch, *, grid, interpret, name: str):
                       interpret=interpret or None, kernel_name=name)
 
 
+def load_decay(sdec_ref):
+  """A slot's decay factors [K] from shared memory, laid out to scale the rows of a wgmma accumulator."""
+  return plgpu.load(sdec_ref, layout=plgpu.Layout.WGMMA.reduce(1))
+
+
+def scale_rows(x_KV, decay_K):
+  """diag(decay) x for an accumulator-layout [K, BV] x."""
+  return x_KV * lax.broadcast_in_dim(decay_K, x_KV.shape, [0])
+
+
+FORWARD_COPIES = 6  # the TMA copies of one chunk in fetch_forward
+
+
+def fetch_forward(src, dst, *, b, h, c, cols, C: int, first: int, bar):
+  """Copies chunk c's forward operands src = (W, U, qg, kd, A_qk, sdec) in global memory into one slot's
+  tiles dst = ([W; qg], kd, U, A_qk, sdec): W and qg stacked, U in rows [0, C), A_qk in rows
+  [first, first + C) to line up with qg S. FORWARD_COPIES copies, all counted on `bar`."""
+  W_g, U_g, qg_g, kd_g, Aqk_g, sdec_g = src
+  Wq_s, kd_s, U_s, Aqk_s, sdec_s = dst
+  rows = pl.ds(c * C, C)
+  plgpu.copy_gmem_to_smem(W_g.at[b, h, rows], Wq_s.at[pl.ds(0, C)], bar)
+  plgpu.copy_gmem_to_smem(qg_g.at[b, h, rows], Wq_s.at[pl.ds(C, C)], bar)
+  plgpu.copy_gmem_to_smem(kd_g.at[b, h, rows], kd_s, bar)
+  plgpu.copy_gmem_to_smem(U_g.at[b, h, rows, cols], U_s.at[pl.ds(0, C)], bar)
+  plgpu.copy_gmem_to_smem(Aqk_g.at[b, h, rows], Aqk_s.at[pl.ds(first, C)], bar)
+  plgpu.copy_gmem_to_smem(sdec_g.at[b, h, c], sdec_s, bar)
+
+
 def tile_rows(C: int):
   """Rows of the stacked tiles at chunk C: R of [W; qg] (W in rows [0, C), qg in [C, 2C)), `lo`, the
   first row of [W; qg] that the output tile covers, and X of the U and V' tiles (rows [0, C) used)."""
@@ -186,14 +214,9 @@ def scan_forward_mosaic(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int,
     cols = pl.ds(j * BV, BV)
 
     def fetch(c, slot):
-      rows = pl.ds(c * C, C)
-      bar = loaded.at[slot]
-      plgpu.copy_gmem_to_smem(W_g.at[b, h, rows], Wq_s.at[slot, pl.ds(0, C)], bar)
-      plgpu.copy_gmem_to_smem(qg_g.at[b, h, rows], Wq_s.at[slot, pl.ds(C, C)], bar)
-      plgpu.copy_gmem_to_smem(kd_g.at[b, h, rows], kd_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(U_g.at[b, h, rows, cols], U_s.at[slot, pl.ds(0, C)], bar)
-      plgpu.copy_gmem_to_smem(Aqk_g.at[b, h, rows], Aqk_s.at[slot, pl.ds(first, C)], bar)
-      plgpu.copy_gmem_to_smem(sdec_g.at[b, h, c], sdec_s.at[slot], bar)
+      fetch_forward((W_g, U_g, qg_g, kd_g, Aqk_g, sdec_g),
+                    tuple(x.at[slot] for x in (Wq_s, kd_s, U_s, Aqk_s, sdec_s)),
+                    b=b, h=h, c=c, cols=cols, C=C, first=first, bar=loaded.at[slot])
 
     for slot in range(stages):
       fetch(slot, slot)
@@ -216,7 +239,7 @@ def scan_forward_mosaic(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int,
         # [W; qg] S in one wgmma: rows [0, C) are W S, rows [C, 2C) qg S.
         plgpu.wgmma(y_acc, Wq_s.at[slot], S_s)
         U_XV = U_s.at[slot][...].astype(f32)
-        decay_K = plgpu.load(sdec_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
+        decay_K = load_decay(sdec_s.at[slot])
         Y_RV = y_acc[...]
         if keep:
           # Likewise for the last V' store, which the last O store and this chunk's state store follow.
@@ -229,7 +252,7 @@ def scan_forward_mosaic(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int,
         # A_qk sits in the rows of its tile that line up with qg S in Y_RV[lo:].
         plgpu.wgmma(o_acc, Aqk_s.at[slot], Vp_s.at[pl.ds(0, C)])
         plgpu.wgmma(s_acc, kd_s.at[slot].transpose((1, 0)), Vp_s.at[pl.ds(0, C)])
-        S_dec = S_KV * lax.broadcast_in_dim(decay_K, S_KV.shape, [0])  # overlaps the two wgmmas
+        S_dec = scale_rows(S_KV, decay_K)  # overlaps the two wgmmas
         return Y_RV[lo:] + o_acc[...], S_dec + s_acc[...]
 
       o_OV, S_KV = pl.run_scoped(products, plgpu.ACC((R, BV), f32), plgpu.ACC((R - lo, BV), f32),
@@ -261,7 +284,7 @@ def scan_forward_mosaic(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int,
       plgpu.SMEM((K, BV), bf, transforms=mma(BV)),            # the state, as a B operand
       plgpu.SMEM((X, BV), bf, transforms=mma(BV)),            # V', as a B operand
       plgpu.SMEM((2, R - lo, BV), out_dtype, transforms=smem_transforms(out_dtype, BV)),  # O on its way out
-      plgpu.Barrier(num_arrivals=6, num_barriers=stages),     # the six copies of one chunk
+      plgpu.Barrier(num_arrivals=FORWARD_COPIES, num_barriers=stages),  # the copies of one chunk
   ]
   out_type = [jax.ShapeDtypeStruct((B, T, H, V), out_dtype), jax.ShapeDtypeStruct((B, H, K, V), f32)]
   if keep:

@@ -41,7 +41,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.mosaic_scan import check_scan, launch, shape_or_memory, smem_transforms, tile_rows
+from pallas_kernels.kda.mosaic_scan import (
+  FORWARD_COPIES,
+  check_scan,
+  fetch_forward,
+  launch,
+  load_decay,
+  scale_rows,
+  shape_or_memory,
+  smem_transforms,
+  tile_rows,
+)
 
 
 def ahead_products(W, kd, C: int):
@@ -110,26 +120,18 @@ def scan_forward_mosaic_ahead(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v
     rows_of = lambda c: pl.ds(c * C, C)
 
     def fetch(c, slot):
-      rows = rows_of(c)
       bar = loaded.at[slot]
-      plgpu.copy_gmem_to_smem(W_g.at[b, h, rows], Wq_s.at[slot, pl.ds(0, C)], bar)
-      plgpu.copy_gmem_to_smem(qg_g.at[b, h, rows], Wq_s.at[slot, pl.ds(C, C)], bar)
-      plgpu.copy_gmem_to_smem(kd_g.at[b, h, rows], kd_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(U_g.at[b, h, rows, cols], U_s.at[slot, pl.ds(0, C)], bar)
-      plgpu.copy_gmem_to_smem(Aqk_g.at[b, h, rows], Aqk_s.at[slot, pl.ds(first, C)], bar)
-      plgpu.copy_gmem_to_smem(M_g.at[b, h, rows], M_s.at[slot, pl.ds(0, C)], bar)
-      plgpu.copy_gmem_to_smem(sdec_g.at[b, h, c], sdec_s.at[slot], bar)
+      fetch_forward((W_g, U_g, qg_g, kd_g, Aqk_g, sdec_g),
+                    tuple(x.at[slot] for x in (Wq_s, kd_s, U_s, Aqk_s, sdec_s)),
+                    b=b, h=h, c=c, cols=cols, C=C, first=first, bar=bar)
+      plgpu.copy_gmem_to_smem(M_g.at[b, h, rows_of(c)], M_s.at[slot, pl.ds(0, C)], bar)
 
-    def decay_of(slot):
-      return plgpu.load(sdec_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
-
-    def decayed(S_KV, decay_K):
-      return S_KV * lax.broadcast_in_dim(decay_K, S_KV.shape, [0])
+    decay_of = lambda slot: load_decay(sdec_s.at[slot])
 
     def put_state(S_KV, decay_K):
       """The B operands S and D S of a chunk entered with state S_KV, whose decay factors are decay_K."""
       S_s[...] = S_KV.astype(bf)
-      DS_s[...] = decayed(S_KV, decay_K).astype(bf)
+      DS_s[...] = scale_rows(S_KV, decay_K).astype(bf)
 
     for slot in range(stages):
       fetch(slot, slot)
@@ -171,10 +173,10 @@ def scan_forward_mosaic_ahead(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v
         plgpu.wgmma(o_acc, Aqk_s.at[slot], Vp_s.at[pl.ds(0, C)])
         # Register work while the tensor cores run: this chunk's decay of S, and the next one's decay
         # factors for D S.
-        S_dec = decayed(S_KV, decay_of(slot))
+        S_dec = scale_rows(S_KV, decay_of(slot))
         Vp_next = next_decay = None
         if ahead:
-          next_decay = plgpu.load(sdec_s.at[nslot], layout=plgpu.Layout.WGMMA.reduce(1))
+          next_decay = decay_of(nslot)
           # Rows past C are garbage (U and M were not loaded there) and are never read back.
           Vp_next = U_s.at[nslot][...].astype(f32) - plgpu.wgmma_accumulator_load(y_acc, wait_n=3)
         S_next = S_dec + plgpu.wgmma_accumulator_load(s_acc, wait_n=2)  # while O's products run
@@ -219,7 +221,7 @@ def scan_forward_mosaic_ahead(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v
       plgpu.SMEM((K, BV), bf, transforms=mma(BV)),            # D S, as a B operand
       plgpu.SMEM((X, BV), bf, transforms=mma(BV)),            # V', as a B operand and on its way out
       plgpu.SMEM((2, R - lo, BV), out_dtype, transforms=smem_transforms(out_dtype, BV)),  # O on its way out
-      plgpu.Barrier(num_arrivals=7, num_barriers=stages),     # the seven copies of one chunk
+      plgpu.Barrier(num_arrivals=FORWARD_COPIES + 1, num_barriers=stages),  # the copies of one chunk, M's too
   ]
   out_type = [jax.ShapeDtypeStruct((B, T, H, V), out_dtype), jax.ShapeDtypeStruct((B, H, K, V), f32)]
   if keep:

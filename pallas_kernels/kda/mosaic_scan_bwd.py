@@ -39,7 +39,44 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.mosaic_scan import check_scan, launch, shape_or_memory, smem_transforms, tile_rows
+from pallas_kernels.kda.mosaic_scan import (
+  check_scan,
+  launch,
+  load_decay,
+  scale_rows,
+  shape_or_memory,
+  smem_transforms,
+  tile_rows,
+)
+
+
+def aqk_bands(C: int) -> int:
+  """TMA copies that bring A_qk's columns [0, C) into its [C, X] tile: they are contiguous only within one
+  8-row band of the tiling when C < X, and TMA writes contiguous shared memory only."""
+  return 1 if tile_rows(C)[2] == C else C // 8
+
+
+def backward_copies(C: int) -> int:
+  """The TMA copies of one chunk in fetch_backward."""
+  return 5 + aqk_bands(C)
+
+
+def fetch_backward(src, dst, *, b, h, c, cols, C: int, bar):
+  """Copies chunk c's backward operands src = (W, qg, kd, A_qk, dO, sdec) in global memory into one
+  slot's tiles dst = (W, qg, kd, A_qk, dO, sdec): kd in rows [0, C) of its tile, A_qk in columns [0, C)
+  by aqk_bands(C) copies. backward_copies(C) copies, all counted on `bar`."""
+  W_g, qg_g, kd_g, Aqk_g, dO_g, sdec_g = src
+  W_s, qg_s, kd_s, Aqk_s, dO_s, sdec_s = dst
+  rows = pl.ds(c * C, C)
+  plgpu.copy_gmem_to_smem(W_g.at[b, h, rows], W_s, bar)
+  plgpu.copy_gmem_to_smem(qg_g.at[b, h, rows], qg_s, bar)
+  plgpu.copy_gmem_to_smem(kd_g.at[b, h, rows], kd_s.at[pl.ds(0, C)], bar)
+  band = C // aqk_bands(C)
+  for r in range(0, C, band):
+    plgpu.copy_gmem_to_smem(Aqk_g.at[b, h, pl.ds(c * C + r, band)], Aqk_s.at[pl.ds(r, band), pl.ds(0, C)],
+                            bar)
+  plgpu.copy_gmem_to_smem(dO_g.at[b, rows, h, cols], dO_s, bar)
+  plgpu.copy_gmem_to_smem(sdec_g.at[b, h, c], sdec_s, bar)
 
 
 def smem_bytes_backward(K: int, C: int, block_v: int, stages: int) -> int:
@@ -79,9 +116,6 @@ def scan_backward_mosaic(dO, Aqk, kd, W, qg, sdec, dSfin, *, store_dtype, block_
   check_scan(K, C, BV, V, T, stages, bf16_stores=(("store_dtype", store_dtype),))
   stages = min(stages, N)
   X = tile_rows(C)[2]
-  # A_qk's columns [0, C) of a wider tile are contiguous only within one 8-row band of its tiling, and
-  # TMA writes contiguous shared memory only: one copy per band.
-  aqk_bands = 1 if X == C else C // 8
   bf, f32 = jnp.bfloat16, jnp.float32
   dO, Aqk, kd, W, qg = (x.astype(bf) for x in (dO, Aqk, kd, W, qg))
   sdec, dSfin = sdec.astype(f32), dSfin.astype(f32)
@@ -93,17 +127,9 @@ def scan_backward_mosaic(dO, Aqk, kd, W, qg, sdec, dSfin, *, store_dtype, block_
     cols = pl.ds(j * BV, BV)
 
     def fetch(c, slot):
-      rows = pl.ds(c * C, C)
-      bar = loaded.at[slot]
-      plgpu.copy_gmem_to_smem(W_g.at[b, h, rows], W_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(qg_g.at[b, h, rows], qg_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(kd_g.at[b, h, rows], kd_s.at[slot, pl.ds(0, C)], bar)
-      band = C // aqk_bands
-      for r in range(0, C, band):
-        plgpu.copy_gmem_to_smem(Aqk_g.at[b, h, pl.ds(c * C + r, band)],
-                                Aqk_s.at[slot, pl.ds(r, band), pl.ds(0, C)], bar)
-      plgpu.copy_gmem_to_smem(dO_g.at[b, rows, h, cols], dO_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(sdec_g.at[b, h, c], sdec_s.at[slot], bar)
+      fetch_backward((W_g, qg_g, kd_g, Aqk_g, dO_g, sdec_g),
+                     tuple(x.at[slot] for x in (W_s, qg_s, kd_s, Aqk_s, dO_s, sdec_s)),
+                     b=b, h=h, c=c, cols=cols, C=C, bar=loaded.at[slot])
 
     for slot in range(stages):
       fetch(N - 1 - slot, slot)
@@ -128,8 +154,7 @@ def scan_backward_mosaic(dO, Aqk, kd, W, qg, sdec, dSfin, *, store_dtype, block_
         plgpu.wgmma(s_acc, qg_s.at[slot].transpose((1, 0)), dO_s.at[slot])
         # Read before the fences below, which order it before the TMA that refills this slot. Scaling
         # dS only after its bf16 copy lets the product take dS's registers.
-        decay_K = plgpu.load(sdec_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
-        dS_dec = dS_KV * lax.broadcast_in_dim(decay_K, dS_KV.shape, [0])
+        dS_dec = scale_rows(dS_KV, load_decay(sdec_s.at[slot]))
         # All but the newest wgmma (qg^T dO) are done, so dV' is whole while qg^T dO still runs. Rows
         # past C are garbage (kd and A_qk were not loaded there); nothing reads or stores them.
         dVp_XV = plgpu.wgmma_accumulator_load(v_acc, wait_n=1)
@@ -165,7 +190,7 @@ def scan_backward_mosaic(dO, Aqk, kd, W, qg, sdec, dSfin, *, store_dtype, block_
       plgpu.SMEM((K, BV), bf, transforms=mma(BV)),             # dS, as a B operand and on its way out
       plgpu.SMEM((X, BV), bf, transforms=mma(BV)),             # -dV', as a B operand
       plgpu.SMEM((X, BV), bf, transforms=mma(BV)),             # dV' on its way out
-      plgpu.Barrier(num_arrivals=5 + aqk_bands, num_barriers=stages),  # the copies of one chunk
+      plgpu.Barrier(num_arrivals=backward_copies(C), num_barriers=stages),  # the copies of one chunk
   ]
   out_type = (jax.ShapeDtypeStruct((B, H, T, V), bf), jax.ShapeDtypeStruct((B, H, N, K, V), bf),
               jax.ShapeDtypeStruct((B, H, K, V), f32))

@@ -14,9 +14,10 @@ the source of its store), plus the inputs of chunks c and c-1, and one wait cove
   c's rows holding P_c and Q_c (chunk 0's zero). Resets need nothing more, as in the forward: kd's rows
   outside a chunk's last document, W's and qg's outside its first, and sdec where a chunk holds a reset
   are zero.
-- Tiles as in mosaic_scan_bwd (A_qk transposed from 8-row bands, kd in rows [0, C) of a 64-row tile,
-  -dV' as the B operand of the subtracted products, dV' and dS stored from the bf16 tiles the products
-  read) plus the bf16 D dS tile and a slot of P and Q per chunk, rows [0, C) of 64-row tiles.
+- Tiles as in mosaic_scan_bwd (its fetch_backward: A_qk transposed from 8-row bands, kd in rows [0, C)
+  of a 64-row tile, -dV' as the B operand of the subtracted products, dV' and dS stored from the bf16
+  tiles the products read) plus the bf16 D dS tile and a slot of P and Q per chunk, rows [0, C) of
+  64-row tiles.
 - The ring holds two chunks in use (c and c-1), so it needs two slots and loads ahead with three.
 
 Not used by the op unless Config.mosaic_ahead_bwd is set: it has not been timed on a GPU yet
@@ -32,7 +33,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.mosaic_scan import check_scan, launch, shape_or_memory, smem_transforms, tile_rows
+from pallas_kernels.kda.mosaic_scan import (
+  check_scan,
+  launch,
+  load_decay,
+  scale_rows,
+  shape_or_memory,
+  smem_transforms,
+  tile_rows,
+)
+from pallas_kernels.kda.mosaic_scan_bwd import backward_copies, fetch_backward
 
 
 def ahead_products_backward(kd, qg, W, C: int):
@@ -85,7 +95,6 @@ def scan_backward_mosaic_ahead(dO, Aqk, kd, W, qg, sdec, dSfin, *, store_dtype, 
   check_scan(K, C, BV, V, T, stages, bf16_stores=(("store_dtype", store_dtype),), min_stages=2)
   stages = min(stages, N)
   X = tile_rows(C)[2]
-  aqk_bands = 1 if X == C else C // 8  # as in mosaic_scan_bwd
   bf, f32 = jnp.bfloat16, jnp.float32
   P, Q = ahead_products_backward(kd, qg, W, C)
   dO, Aqk, kd, W, qg = (x.astype(bf) for x in (dO, Aqk, kd, W, qg))
@@ -99,30 +108,19 @@ def scan_backward_mosaic_ahead(dO, Aqk, kd, W, qg, sdec, dSfin, *, store_dtype, 
     rows_of = lambda c: pl.ds(c * C, C)
 
     def fetch(c, slot):
-      rows = rows_of(c)
       bar = loaded.at[slot]
-      plgpu.copy_gmem_to_smem(W_g.at[b, h, rows], W_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(qg_g.at[b, h, rows], qg_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(kd_g.at[b, h, rows], kd_s.at[slot, pl.ds(0, C)], bar)
-      band = C // aqk_bands
-      for r in range(0, C, band):
-        plgpu.copy_gmem_to_smem(Aqk_g.at[b, h, pl.ds(c * C + r, band)],
-                                Aqk_s.at[slot, pl.ds(r, band), pl.ds(0, C)], bar)
-      plgpu.copy_gmem_to_smem(dO_g.at[b, rows, h, cols], dO_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(sdec_g.at[b, h, c], sdec_s.at[slot], bar)
-      plgpu.copy_gmem_to_smem(P_g.at[b, h, rows], P_s.at[slot, pl.ds(0, C)], bar)
-      plgpu.copy_gmem_to_smem(Q_g.at[b, h, rows], Q_s.at[slot, pl.ds(0, C)], bar)
+      fetch_backward((W_g, qg_g, kd_g, Aqk_g, dO_g, sdec_g),
+                     tuple(x.at[slot] for x in (W_s, qg_s, kd_s, Aqk_s, dO_s, sdec_s)),
+                     b=b, h=h, c=c, cols=cols, C=C, bar=bar)
+      plgpu.copy_gmem_to_smem(P_g.at[b, h, rows_of(c)], P_s.at[slot, pl.ds(0, C)], bar)
+      plgpu.copy_gmem_to_smem(Q_g.at[b, h, rows_of(c)], Q_s.at[slot, pl.ds(0, C)], bar)
 
-    def decay_of(slot):
-      return plgpu.load(sdec_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
-
-    def decayed(dS_KV, decay_K):
-      return dS_KV * lax.broadcast_in_dim(decay_K, dS_KV.shape, [0])
+    decay_of = lambda slot: load_decay(sdec_s.at[slot])
 
     def put_state(dS_KV, decay_K):
       """The B operands dS and D dS of a chunk whose update dS_KV enters and whose decay is decay_K."""
       S_s[...] = dS_KV.astype(bf)
-      DS_s[...] = decayed(dS_KV, decay_K).astype(bf)
+      DS_s[...] = scale_rows(dS_KV, decay_K).astype(bf)
 
     def put_values(dVp_XV):
       """-dV' as a B operand (wgmma only adds) and dV' on its way out; rows past C are garbage."""
@@ -168,7 +166,7 @@ def scan_backward_mosaic_ahead(dO, Aqk, kd, W, qg, sdec, dSfin, *, store_dtype, 
         plgpu.wgmma(s_acc, qg_s.at[slot].transpose((1, 0)), dO_s.at[slot])
         plgpu.wgmma(s_acc, W_s.at[slot].transpose((1, 0)), Vn_s.at[pl.ds(0, C)])
         # Register work while the tensor cores run: this chunk's decay of dS, the previous one's factors.
-        dS_dec = decayed(dS_KV, decay_of(slot))
+        dS_dec = scale_rows(dS_KV, decay_of(slot))
         dVp_prev = prev_decay = None
         if ahead:
           prev_decay = decay_of(pslot)
@@ -209,7 +207,7 @@ def scan_backward_mosaic_ahead(dO, Aqk, kd, W, qg, sdec, dSfin, *, store_dtype, 
       plgpu.SMEM((K, BV), bf, transforms=mma(BV)),             # D dS, as a B operand
       plgpu.SMEM((X, BV), bf, transforms=mma(BV)),             # -dV', as a B operand
       plgpu.SMEM((X, BV), bf, transforms=mma(BV)),             # dV' on its way out
-      plgpu.Barrier(num_arrivals=7 + aqk_bands, num_barriers=stages),  # the copies of one chunk
+      plgpu.Barrier(num_arrivals=backward_copies(C) + 2, num_barriers=stages),  # the copies, P's and Q's too
   ]
   out_type = (jax.ShapeDtypeStruct((B, H, T, V), bf), jax.ShapeDtypeStruct((B, H, N, K, V), bf),
               jax.ShapeDtypeStruct((B, H, K, V), f32))
