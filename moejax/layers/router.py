@@ -37,7 +37,9 @@ def _bf16_parts(x, n: int):
   between about 2^-102 (below, the last parts underflow) and 3.39e38 (above, the first rounds to inf);
   n = 2 leaves a relative error below 2^-16. Each part is rounded by reduce_precision, which XLA keeps:
   a float32 -> bf16 -> float32 round trip is one that XLA:GPU removes under its default excess
-  precision (SimplifyFPConversions), which would leave the later parts zero."""
+  precision (SimplifyFPConversions), which would leave the later parts zero. (The KDA kernels split
+  their float32 gates the same way with plain casts, pallas_tiles._bf16_parts: inside a Pallas kernel
+  no XLA pass runs.)"""
   parts, rest = [], x.astype(jnp.float32)
   for _ in range(n):
     part = jax.lax.reduce_precision(rest, exponent_bits=8, mantissa_bits=7)

@@ -146,14 +146,19 @@ def tile_rows(C: int):
   return R, C // ROWS * ROWS, -(-C // ROWS) * ROWS
 
 
+def smem_buffer(dtype, *shape) -> int:
+  """Bytes of one shared-memory scratch buffer as Mosaic GPU counts them: rounded up to the 1 KiB it
+  aligns scratch to."""
+  return -(-math.prod(shape) * jnp.dtype(dtype).itemsize // 1024) * 1024
+
+
 def smem_bytes(K: int, C: int, block_v: int, stages: int, out_dtype, u_dtype=jnp.bfloat16) -> int:
   """Shared memory of one program, to the byte as Mosaic GPU counts it against the limit: `stages` chunk
   slots, the bf16 state and V', two output tiles (each buffer rounded up to the 1 KiB Mosaic aligns
   scratch to) and one 8-byte barrier per slot. Keep mode stores from the state and V' tiles and needs
   nothing more."""
   R, lo, X = tile_rows(C)
-  size = lambda dtype, *shape: -(-math.prod(shape) * jnp.dtype(dtype).itemsize // 1024) * 1024
-  bf = jnp.bfloat16
+  size, bf = smem_buffer, jnp.bfloat16
   buffers = (size(bf, stages, R, K), size(bf, stages, C, K), size(u_dtype, stages, X, block_v),
              size(bf, stages, R - lo, C), size(jnp.float32, stages, K), size(bf, K, block_v),
              size(bf, X, block_v), size(out_dtype, 2, R - lo, block_v))

@@ -33,7 +33,6 @@ could follow the next step's wgmmas with a deeper ring; and ptxas must keep the 
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +48,8 @@ from pallas_kernels.kda.mosaic_scan import (
   load_decay,
   scale_rows,
   shape_or_memory,
+  smem_buffer,
+  smem_bytes,
   smem_transforms,
   tile_rows,
 )
@@ -67,14 +68,10 @@ def ahead_products(W, kd, C: int):
 def smem_bytes_ahead(K: int, C: int, block_v: int, stages: int, out_dtype, u_dtype=jnp.bfloat16) -> int:
   """Shared memory of one scan_forward_mosaic_ahead program, to the byte as Mosaic GPU counts it: the
   two-trip form's (mosaic_scan.smem_bytes) plus a slot of M per chunk and the bf16 D S tile."""
-  R, lo, X = tile_rows(C)
-  size = lambda dtype, *shape: -(-math.prod(shape) * jnp.dtype(dtype).itemsize // 1024) * 1024
+  X = tile_rows(C)[2]
   bf = jnp.bfloat16
-  buffers = (size(bf, stages, R, K), size(bf, stages, C, K), size(u_dtype, stages, X, block_v),
-             size(bf, stages, R - lo, C), size(bf, stages, X, C), size(jnp.float32, stages, K),
-             size(bf, K, block_v), size(bf, K, block_v), size(bf, X, block_v),
-             size(out_dtype, 2, R - lo, block_v))
-  return sum(buffers) + 8 * stages
+  return (smem_bytes(K, C, block_v, stages, out_dtype, u_dtype) + smem_buffer(bf, stages, X, C)
+          + smem_buffer(bf, K, block_v))
 
 
 def unsupported_ahead(K: int, C: int, block_v: int, V: int, store_dtype, stages: int) -> str | None:

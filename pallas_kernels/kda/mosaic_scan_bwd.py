@@ -31,7 +31,6 @@ and stores, like the Triton version, the dS that enters each chunk's update, dV'
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +44,7 @@ from pallas_kernels.kda.mosaic_scan import (
   load_decay,
   scale_rows,
   shape_or_memory,
+  smem_buffer,
   smem_transforms,
   tile_rows,
 )
@@ -84,8 +84,7 @@ def smem_bytes_backward(K: int, C: int, block_v: int, stages: int) -> int:
   limit: `stages` chunk slots (W, qg, kd, A_qk, dO, sdec), the bf16 tiles of dS, -dV' and dV' (each buffer
   rounded up to the 1 KiB Mosaic aligns scratch to) and one 8-byte barrier per slot."""
   X = tile_rows(C)[2]
-  size = lambda dtype, *shape: -(-math.prod(shape) * jnp.dtype(dtype).itemsize // 1024) * 1024
-  bf = jnp.bfloat16
+  size, bf = smem_buffer, jnp.bfloat16
   buffers = (size(bf, stages, C, K), size(bf, stages, C, K), size(bf, stages, X, K), size(bf, stages, C, X),
              size(bf, stages, C, block_v), size(jnp.float32, stages, K), size(bf, K, block_v),
              size(bf, X, block_v), size(bf, X, block_v))

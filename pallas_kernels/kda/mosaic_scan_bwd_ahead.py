@@ -25,7 +25,6 @@ Not used by the op unless Config.mosaic_ahead_bwd is set: it has not been timed 
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -39,10 +38,11 @@ from pallas_kernels.kda.mosaic_scan import (
   load_decay,
   scale_rows,
   shape_or_memory,
+  smem_buffer,
   smem_transforms,
   tile_rows,
 )
-from pallas_kernels.kda.mosaic_scan_bwd import backward_copies, fetch_backward
+from pallas_kernels.kda.mosaic_scan_bwd import backward_copies, fetch_backward, smem_bytes_backward
 
 
 def ahead_products_backward(kd, qg, W, C: int):
@@ -63,13 +63,9 @@ def smem_bytes_backward_ahead(K: int, C: int, block_v: int, stages: int) -> int:
   """Shared memory of one scan_backward_mosaic_ahead program, to the byte as Mosaic GPU counts it:
   mosaic_scan_bwd's buffers plus a slot of P and of Q per chunk and the bf16 D dS tile."""
   X = tile_rows(C)[2]
-  size = lambda dtype, *shape: -(-math.prod(shape) * jnp.dtype(dtype).itemsize // 1024) * 1024
   bf = jnp.bfloat16
-  buffers = (size(bf, stages, C, K), size(bf, stages, C, K), size(bf, stages, X, K), size(bf, stages, C, X),
-             size(bf, stages, C, block_v), size(jnp.float32, stages, K), size(bf, stages, X, C),
-             size(bf, stages, X, C), size(bf, K, block_v), size(bf, K, block_v), size(bf, X, block_v),
-             size(bf, X, block_v))
-  return sum(buffers) + 8 * stages
+  return (smem_bytes_backward(K, C, block_v, stages) + 2 * smem_buffer(bf, stages, X, C)
+          + smem_buffer(bf, K, block_v))
 
 
 def unsupported_backward_ahead(K: int, C: int, block_v: int, V: int, store_dtype, stages: int) -> str | None:
