@@ -61,9 +61,19 @@ class _Program:
         ref[self.b, self.rows(), self.h, self.cols(i)] = x.astype(ref.dtype)
     return put
 
-  def put_tile_btx(self, ref):
+  def put_tile(self, ref, layout="bhtx"):
+    """Sink of (16-row tile p, column block i) of a [B,H,T,X] (or [B,T,H,X]) ref."""
     def put(p, i, x):
-      ref[self.b, self.rows(p), self.h, self.cols(i)] = x.astype(ref.dtype)
+      if layout == "bhtx":
+        ref[self.b, self.h, self.rows(p), self.cols(i)] = x.astype(ref.dtype)
+      else:
+        ref[self.b, self.rows(p), self.h, self.cols(i)] = x.astype(ref.dtype)
+    return put
+
+  def put_block(self, ref):
+    """Sink of the 16x16 block (p, r) of a [B,H,T,C] ref."""
+    def put(p, r, x):
+      ref[self.b, self.h, self.rows(p), pl.ds(r * TILE, TILE)] = x.astype(ref.dtype)
     return put
 
   def put_per_chunk(self, ref):
@@ -106,20 +116,9 @@ def prep_forward(q, k, v, g, beta, code, *, chunk: int, block: int, scale: float
   def kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref, W_ref, U_ref, qg_ref, kd_ref, Aqk_ref,
              sdec_ref, *solve_refs):
     pr = _Program(C, block, interpret)
-
-    def put_tile(ref):
-      def put(p, i, x):
-        ref[pr.b, pr.h, pr.rows(p), pr.cols(i)] = x.astype(ref.dtype)
-      return put
-
-    def put_block(ref):
-      def put(p, r, x):
-        ref[pr.b, pr.h, pr.rows(p), pl.ds(r * TILE, TILE)] = x.astype(ref.dtype)
-      return put
-
-    A_put, Linv_put = (put_block(ref) for ref in solve_refs) if keep_solve else (None, None)
-    put = tiles_fwd.Sinks(W=put_tile(W_ref), U=put_tile(U_ref), qg=put_tile(qg_ref),
-                          kd=put_tile(kd_ref), sdec=pr.put_per_chunk(sdec_ref), Aqk=put_block(Aqk_ref),
+    A_put, Linv_put = (pr.put_block(ref) for ref in solve_refs) if keep_solve else (None, None)
+    put = tiles_fwd.Sinks(W=pr.put_tile(W_ref), U=pr.put_tile(U_ref), qg=pr.put_tile(qg_ref),
+                          kd=pr.put_tile(kd_ref), sdec=pr.put_per_chunk(sdec_ref), Aqk=pr.put_block(Aqk_ref),
                           A=A_put, Linv=Linv_put)
     tiles_fwd.prep(*pr.inputs(q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref), scale, prec, put)
 
@@ -185,8 +184,8 @@ def prep_backward(q, k, v, g, beta, code, A, Linv, dW, dU, dqg, dkd, dAqk, dsdec
     def put_db(x):
       db_ref[b, pr.rows(), h] = x.astype(db_ref.dtype)
 
-    put = tiles.Grads(q=pr.put_tile_btx(dq_ref), k=pr.put_tile_btx(dk_ref), v=pr.put_full(dv_ref, "btx"),
-                      g=pr.put_tile_btx(dg_ref), b=put_db)
+    put = tiles.Grads(q=pr.put_tile(dq_ref, "btx"), k=pr.put_tile(dk_ref, "btx"),
+                      v=pr.put_full(dv_ref, "btx"), g=pr.put_tile(dg_ref, "btx"), b=put_db)
     scratch = pr.scratch({"A": A_ref, "L": L_ref, "Q": Q_ref, "K": K_ref})
     tiles.prep_vjp(*pr.inputs(q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref), scale, prec, d, scratch,
                    put)
