@@ -146,8 +146,11 @@ CASES = [(64, 64, 32, 2, jnp.float32), (32, 64, 16, 3, jnp.bfloat16), (16, 128, 
 @pytest.mark.parametrize("C,V,block_v,stages,dtype", CASES)
 def test_matches_the_recurrence_and_the_triton_scan(C, V, block_v, stages, dtype):
   """Against float64 within bf16 operand rounding (the port's products take bf16 operands, float32
-  inputs too), and against the Triton scan with bf16 products to float32 rounding: the same operands in
-  the same products. No races between the chunk loads, the products and the output stores."""
+  inputs too), and against the Triton scan with bf16 products: the same operands in the same products,
+  but float32 sums added in another order, so a bf16 rounding of U - W S or of the entering state can
+  land on the other neighbour. One such flip moves one column of the rows after it, by about a bf16 ulp
+  of that entry (seen on one CPU: 0.3% of o off by more than float32 rounding, all in one column of the
+  last chunk). No races between the chunk loads, the products and the output stores."""
   inputs = scan_inputs(0, B=1, H=2, N=5, C=C, K=64, V=V, dtype=dtype)
   o, S, states, Vp = scan_forward_mosaic(*inputs, out_dtype=jnp.float32, block_v=block_v, stages=stages,
                                          interpret=plgpu.InterpretGPUParams(detect_races=True))
@@ -158,7 +161,10 @@ def test_matches_the_recurrence_and_the_triton_scan(C, V, block_v, stages, dtype
   assert rel(o, o_ref) < 1e-2 and rel(S, S_ref) < 1e-2
   o_tr, S_tr = scan_forward(*inputs, out_dtype=jnp.float32, block_v=block_v, big="bf16", interpret=True,
                             tuning=Tuning())[:2]
-  assert rel(o, o_tr) < 1e-5 and rel(S, S_tr) < 1e-5
+  for x, x_tr in ((o, o_tr), (S, S_tr)):
+    x, x_tr = np.asarray(x, np.float64), np.asarray(x_tr, np.float64)
+    assert rel(x, x_tr) < 2e-4
+    assert np.mean(np.abs(x - x_tr) > 1e-5 * np.abs(x_tr).max()) < 0.02
 
 
 def test_bf16_output():
