@@ -53,9 +53,30 @@ def _einsum_parts(spec: str) -> tuple[str, str, str]:
   return a, b, out
 
 
+def _dot_dtype(out_dtype) -> jnp.dtype:
+  """The type a dot writes when its result is wanted in out_dtype: out_dtype itself when it is narrower
+  than float32, else float32.
+
+  The GEMMs accumulate bf16 (and f16) products in float32 whatever type they write (cuBLAS and XLA's
+  Triton GEMMs on the GPU, XLA on the CPU: bit-identical to rounding a float32 result), so writing the
+  narrow type directly is the same number in half the bytes. Writing float32 and casting after is not:
+  XLA:GPU keeps the cuBLAS output in float32 and, allowed excess precision, removes the cast's round
+  trip whenever the consumer widens again, so the consumer reads the float32 tensor (the H200 step's
+  pre-norm backward read its projections' dx that way; BENCHMARKS.md, "Training step profile").
+  """
+  out_dtype = jnp.dtype(out_dtype)
+  return out_dtype if jnp.finfo(out_dtype).bits < 32 else jnp.dtype(jnp.float32)
+
+
+def _dot(spec: str, x, w, out_dtype, out_sharding=None):
+  """einsum with float32 accumulation, the result in out_dtype (`_dot_dtype` says how it is written)."""
+  y = jnp.einsum(spec, x, w, preferred_element_type=_dot_dtype(out_dtype), out_sharding=out_sharding)
+  return y.astype(out_dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
 def _lowp_einsum(spec: str, x, w, out_dtype):
-  return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
+  return _dot(spec, x, w.astype(x.dtype), out_dtype)
 
 
 def _lowp_einsum_fwd(spec, x, w, out_dtype):
@@ -66,11 +87,9 @@ def _lowp_einsum_bwd(spec, out_dtype, residuals, dy):
   x, w = residuals
   a, b, out = _einsum_parts(spec)
   dy = dy.astype(x.dtype)
-  dx = jnp.einsum(f"{out},{b}->{a}", dy, w.astype(x.dtype), preferred_element_type=jnp.float32,
-                  out_sharding=_explicit_sharding(x))
-  dw = jnp.einsum(f"{a},{out}->{b}", x, dy, preferred_element_type=jnp.float32,
-                  out_sharding=_explicit_sharding(w))
-  return dx.astype(x.dtype), dw.astype(w.dtype)
+  dx = _dot(f"{out},{b}->{a}", dy, w.astype(x.dtype), x.dtype, _explicit_sharding(x))
+  dw = _dot(f"{a},{out}->{b}", x, dy, w.dtype, _explicit_sharding(w))
+  return dx, dw
 
 
 def _explicit_sharding(like):
@@ -151,11 +170,11 @@ class Dense(nn.Module):
     features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
     init = self.kernel_init or kernel_init(1, 1 + len(features))
     w = logical_param(self, "kernel", init, (x.shape[-1], *features), self.axes, self.param_dtype)
+    if not self.use_bias:
+      return dense_apply(w, x, self.dtype)
     y = dense_apply(w, x, self.dtype, out_dtype=jnp.float32)
-    if self.use_bias:
-      b = logical_param(self, "bias", nn.initializers.zeros, features, self.axes[1:], self.param_dtype)
-      y = y + b
-    return y.astype(self.dtype)
+    b = logical_param(self, "bias", nn.initializers.zeros, features, self.axes[1:], self.param_dtype)
+    return (y + b).astype(self.dtype)
 
 
 def dense_apply(w, x, dtype, out_dtype=None):

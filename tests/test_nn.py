@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.nn import dense_apply, matmul, remat_pieces
+from moejax.nn import Dense, dense_apply, matmul, remat_pieces
 
 
 @pytest.mark.parametrize("spec, x_shape, w_shape", [
@@ -44,6 +44,35 @@ def test_matmul_backward_runs_in_the_compute_dtype():
   operands = re.findall(r"stablehlo.dot_general.*: \((tensor<[^>]*>), (tensor<[^>]*>)\)", text)
   assert len(operands) == 2  # the two gradients (the forward value is not needed)
   assert all(a.endswith("xbf16>") and b.endswith("xbf16>") for a, b in operands), operands
+
+
+def _dot_results(fn, *args) -> list[str]:
+  """The result types of the dots in fn's lowered module, e.g. ["16x8xbf16"]."""
+  text = jax.jit(fn).lower(*args).as_text()
+  return re.findall(r"stablehlo.dot_general.*-> tensor<([^>]*)>", text)
+
+
+def test_narrow_results_come_out_of_the_dot_itself():
+  """A bf16 result (the forward's, x's gradient) is what the dot writes, not a float32 dot and a cast:
+  XLA:GPU keeps such a float32 dot output in float32 between kernels. The float32 weight's gradient
+  stays a float32 dot, and a bf16 dot accumulates in float32 all the same (the same bits here)."""
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(16, 512)), jnp.bfloat16)
+  w = jnp.asarray(rng.normal(size=(512, 8)), jnp.float32)
+  fwd = lambda x, w: matmul("md,df->mf", x, w, jnp.bfloat16)
+  assert _dot_results(fwd, x, w) == ["16x8xbf16"]
+  wide = jnp.einsum("md,df->mf", x, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+  as_f32 = lambda y: np.asarray(y, np.float32)
+  np.testing.assert_array_equal(as_f32(fwd(x, w)), as_f32(wide.astype(jnp.bfloat16)))
+  grads = jax.grad(lambda x, w: jnp.sum(fwd(x, w).astype(jnp.float32) ** 2), (0, 1))
+  assert sorted(_dot_results(grads, x, w)) == ["16x512xbf16", "16x8xbf16", "512x8xf32"]
+  assert _dot_results(lambda x, w: matmul("md,df->mf", x, w, jnp.bfloat16, jnp.float32), x, w) == ["16x8xf32"]
+  dense = Dense(8, ("embed", "mlp"), dtype=jnp.bfloat16)
+  params = dense.init(jax.random.key(0), x)
+  assert _dot_results(lambda p, x: dense.apply(p, x), params, x) == ["16x8xbf16"]
+  biased = Dense(8, ("embed", "mlp"), use_bias=True, dtype=jnp.bfloat16)
+  params = biased.init(jax.random.key(0), x)
+  assert _dot_results(lambda p, x: biased.apply(p, x), params, x) == ["16x8xf32"]  # the bias adds in f32
 
 
 def test_matmul_rejects_what_its_backward_cannot_transpose():
