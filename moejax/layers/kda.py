@@ -173,8 +173,10 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
     ext_BTHK = matmul("btd,dhk->bthk", x_BTD, p[f"w_{name}"], dtype)
     if carry is not None:
       ext_BTHK = jnp.concatenate([carry.tails[name].astype(ext_BTHK.dtype), ext_BTHK], axis=1)
-    y = conv_silu(ext_BTHK, p[f"conv_{name}"], doc_ext, implementation=conv_impl,
-                  out_dtype=jnp.float32)[:, w:]
+    # In the compute dtype, as the layer's other activations: q and k are l2-normalised in float32 from
+    # it, and a float32 copy of the three, read again by the norms and their backward pass, was the
+    # largest float32 traffic of the H200 step's KDA layers (benchmarks/hlo_traffic.py).
+    y = conv_silu(ext_BTHK, p[f"conv_{name}"], doc_ext, implementation=conv_impl, out_dtype=dtype)[:, w:]
     if conv_impl == "xla":
       # The barrier keeps XLA:GPU from fusing the shifted taps into the l2 norm's reduction: that
       # fusion (q and k together, with the activations for the backward pass as extra outputs) took
@@ -187,7 +189,6 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
     (q_BTHK, q_tail), (k_BTHK, k_tail), (v_BTHV, v_tail) = (conv_branch(n) for n in ("q", "k", "v"))
     q_BTHK = l2_normalize(q_BTHK, c.norm_eps).astype(dtype)
     k_BTHK = l2_normalize(k_BTHK, c.norm_eps).astype(dtype)
-    v_BTHV = v_BTHV.astype(dtype)
   with jax.named_scope("gates"):
     beta_BTH = jax.nn.sigmoid(matmul("btd,dh->bth", x_BTD, p["w_beta"], dtype).astype(jnp.float32))
     z_BTR = matmul("btd,dr->btr", x_BTD, p["w_decay_a"], dtype)
