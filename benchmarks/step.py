@@ -15,7 +15,8 @@ by all-to-all over `expert`.
 
 Batches are synthetic: uniform random tokens packed into documents of random length (mean
 `--mean-doc`), so no data pipeline runs inside the timed loop and the GPU image needs no grain. The
-step is `moejax.train_step.make_train_step`, the one `python -m moejax.train` runs, donating its state.
+step is `moejax.train_step.jit_train_step`, the one `python -m moejax.train` runs (its state donated, its
+XLA options from config.train).
 
 MFU = tokens/s x model FLOPs per token / the bf16 matmul rate measured in the same call (XLA's
 8192^3 dot). Model FLOPs per token = 3 x forward: 2 per active matmul weight (routed experts at
@@ -63,7 +64,7 @@ from moejax.model import SCANNED, build_model, layer_kinds  # noqa: E402
 from moejax.muon import NS_STEPS, matrix_sizes  # noqa: E402
 from moejax.optim import muon_dimension_numbers  # noqa: E402
 from moejax.parallel import mesh as meshlib  # noqa: E402
-from moejax.train_step import init_state, make_train_step, shard_state  # noqa: E402
+from moejax.train_step import init_state, jit_train_step, shard_state  # noqa: E402
 
 SECTION = "Training step"
 LONG_SECTION = "Training step at 1M tokens"
@@ -212,7 +213,7 @@ def time_steps(config, batch, steps: int, mesh, warmup: int = 1, profile_dir: st
   state = shard_state(state, axes, optimizer, mesh)
   log(f"compiling the step on {'x'.join(map(str, batch['tokens'].shape))} tokens")
   batch = jax.device_put(batch, meshlib.batch_sharding(mesh))
-  step = jax.jit(make_train_step(model, optimizer, config, total_steps(config)), donate_argnums=0)
+  step = jit_train_step(model, optimizer, config, total_steps(config))
   with jax.set_mesh(mesh):
     return {**_time_steps(step, state, batch, steps, optimizer, warmup, profile_dir), "axes": axes}
 

@@ -158,6 +158,11 @@ def base_config() -> ml_collections.ConfigDict:
   t.maxvio_alert = 1.0  # warn when MaxVio_batch stays above this ...
   t.maxvio_alert_steps = 50  # ... for this many consecutive steps
   t.progress_bar = True
+  # XLA may keep a value wider than the dtype the model rounds it to, and drops the f32 -> bf16 -> f32
+  # round trips that the casts make (its default). Then a bf16 activation between two kernels is written
+  # and read as float32: in the H200 step (deviceless compile, benchmarks/hlo_traffic.py) about 28 GiB
+  # more traffic per step. Off, every cast is honoured, on the GPU as on the CPU.
+  t.allow_excess_precision = False
   # Device mesh of the run (moejax.parallel.mesh): rows split over data x fsdp x expert, routed
   # experts over expert, params by their logical axes. All ones: one device.
   t.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": 1, "expert": 1, "tensor": 1})
@@ -299,6 +304,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(tokens % seq_len == 0,
          f"train.stages[{i}]: tokens_per_batch={tokens} is not a multiple of seq_len={seq_len}")
   need(t.max_bad_steps >= 1, "train.max_bad_steps must be >= 1")
+  need(isinstance(t.allow_excess_precision, bool),
+       f"train.allow_excess_precision must be True or False, got {t.allow_excess_precision!r}")
   need(set(t.mesh) == {"data", "fsdp", "expert", "tensor"},
        f"train.mesh must have exactly the axes data, fsdp, expert, tensor; got {sorted(t.mesh)}")
   need(all(isinstance(n, int) and n >= 1 for n in t.mesh.values()),

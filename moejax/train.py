@@ -25,7 +25,7 @@ from moejax.data.prepare import prepare
 from moejax.model import build_model
 from moejax.monitor import Monitor, to_row
 from moejax.parallel.mesh import MESH_AXES, batch_sharding, make_mesh
-from moejax.train_step import init_state, make_eval_step, make_train_step, shard_state
+from moejax.train_step import init_state, jit_eval_step, jit_train_step, shard_state
 
 log = logging.getLogger("moejax.train")
 
@@ -80,8 +80,8 @@ def run(config, workdir: str) -> dict:
     state, data_it = restored
     log.info("resumed from step %d", int(state.step))
 
-  train_step = jax.jit(make_train_step(model, optimizer, config, total_steps), donate_argnums=0)
-  eval_step = jax.jit(make_eval_step(model, config))
+  train_step = jit_train_step(model, optimizer, config, total_steps)
+  eval_step = jit_eval_step(model, config)
   monitor = Monitor(workdir, config, total_steps, start_step=int(state.step))
   step = int(state.step)
   stage_idx, _ = stage_at(stages, step)

@@ -160,6 +160,21 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
   return train_step
 
 
+def compiler_options(config) -> dict:
+  """The XLA options that the train and eval steps compile with (config.train)."""
+  return {"xla_allow_excess_precision": config.train.allow_excess_precision}
+
+
+def jit_train_step(model: Transformer, optimizer: optax.GradientTransformation, config, total_steps: int):
+  """`make_train_step` jitted as runs use it: the state donated, `compiler_options` applied."""
+  return jax.jit(make_train_step(model, optimizer, config, total_steps), donate_argnums=0,
+                 compiler_options=compiler_options(config))
+
+
+def jit_eval_step(model: Transformer, config):
+  return jax.jit(make_eval_step(model, config), compiler_options=compiler_options(config))
+
+
 def make_eval_step(model: Transformer, config):
   cfg = config.model
 

@@ -347,7 +347,7 @@ def test_skipped_step_leaves_the_state_unchanged(reference):
   model = build_model(config)
   state, optimizer, _ = init_state(model, config, jax.random.key(0), TOTAL)
   batch = next(train._iterator_for_step(config, [tuple(s) for s in STAGES], 0))
-  step = jax.jit(train.make_train_step(model, optimizer, config, TOTAL), donate_argnums=0)
+  step = train.jit_train_step(model, optimizer, config, TOTAL)
   state, _ = step(state, batch)  # one good step, so the optimizer state is not all zeros
   before = jax.device_get(state)
   bad = dict(batch, loss_mask=np.where(np.arange(64) == 7, np.nan, batch["loss_mask"]).astype(np.float32))
