@@ -52,6 +52,7 @@ def _with(**overrides):
     (dict(train__stages=[(128, 10, 1000)]), r"not a multiple of seq_len=128"),
     (dict(train__stages=[]), r"at least one"),
     (dict(optim__name="sgd"), r"optim.name='sgd'"),
+    (dict(train__allow_excess_precision=None), r"train.allow_excess_precision must be True or False"),
 ])
 def test_bad_configs_fail_clearly(overrides, message):
   with pytest.raises(ConfigError, match=message):
