@@ -9,6 +9,8 @@ Compiling needs no device memory: state and batch are abstract (`jax.eval_shape`
 the settings of step.py's 1M-token step (remat full, routed experts and dense FFNs in 128K-token
 pieces, KDA layers in 512K, QK-clip off). `--as-gpu` puts the Pallas kernels in interpret mode, so
 that a CPU plan holds the GPU kernels' own buffers rather than those of the XLA reference paths.
+`--deviceless` instead compiles the step for an H200 on this machine (benchmarks/deviceless.py): the
+GPU compiler's own plan, with the kernels as the GPU runs them.
 `--dump DIR` asks XLA for its buffer assignment and prints the buffers live at the peak, largest
 first, each with the model part and the name stack of the op that made it
 (benchmarks/trace_parts.py), or, where that op has no name, the result type of the instruction that
@@ -17,6 +19,7 @@ made it (e.g. `30 x f32[8,131072,512]` for one multi-output fusion).
 
 import argparse
 import collections
+import contextlib
 import glob
 import os
 import pathlib
@@ -51,13 +54,17 @@ def plan_config(args):
   return validate(config)
 
 
-def compile_step(config, batch: int, seq_len: int):
+def compile_step(config, batch: int, seq_len: int, sharding=None):
+  """The train step as `python -m moejax.train` jits it, compiled for abstract arguments: on the default
+  device, or with `sharding` (benchmarks/deviceless.h200_sharding) for the device of its mesh."""
+  import contextlib
+
   import jax
   import jax.numpy as jnp
 
   from benchmarks.step import synthetic_batch
   from moejax.model import build_model
-  from moejax.train_step import init_state, make_train_step
+  from moejax.train_step import init_state, jit_train_step
 
   model = build_model(config)
   box = {}
@@ -68,8 +75,12 @@ def compile_step(config, batch: int, seq_len: int):
 
   state = jax.eval_shape(make)
   data = jax.eval_shape(lambda: jax.tree.map(jnp.asarray, synthetic_batch(config, batch, seq_len, 2048)))
-  step = jax.jit(make_train_step(model, box["optimizer"], config, 3), donate_argnums=0)
-  return step.lower(state, data).compile()
+  if sharding is not None:
+    place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    state, data = jax.tree.map(place, state), jax.tree.map(place, data)
+  step = jit_train_step(model, box["optimizer"], config, 3)
+  with jax.set_mesh(sharding.mesh) if sharding is not None else contextlib.nullcontext():
+    return step.lower(state, data).compile()
 
 
 def compile_part(config, part: str, batch: int, seq_len: int):
@@ -153,6 +164,8 @@ def main():
   parser.add_argument("--long", action="store_true", help="step.py's 1M-token settings")
   parser.add_argument("--parts", default="step", help=f"comma-separated, of {PARTS}")
   parser.add_argument("--as-gpu", action="store_true", help="Pallas kernels in interpret mode")
+  parser.add_argument("--deviceless", action="store_true",
+                      help="compile for an H200 without one (benchmarks/deviceless.py; the step only)")
   parser.add_argument("--dump", default=None, metavar="DIR", help="dump XLA's buffer assignment there")
   parser.add_argument("--top", type=int, default=25)
   parser.add_argument("--smoke", action="store_true", help="tiny shapes")
@@ -162,6 +175,9 @@ def main():
     parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
   if args.long and args.batch != 1:
     parser.error("--long is one row: leave --batch at 1")
+  if args.deviceless and (parts != ["step"] or args.as_gpu):
+    parser.error("--deviceless compiles the step (--parts step) with the GPU kernels themselves: "
+                 "leave out --as-gpu")
   from benchmarks.step import XLA_FLAGS
 
   # Read when the backend starts, below: the step benchmark's flags, so that the plan is its step's;
@@ -175,13 +191,20 @@ def main():
   from benchmarks.trace_parts import op_names
 
   config = plan_config(args)
-  flags = "".join(f"; --{f.replace('_', '-')}" for f in ("long", "as_gpu") if getattr(args, f))
-  print(f"device {jax.devices()[0].device_kind}; {args.batch} x {args.seq_len} tokens; "
+  flags = "".join(f"; --{f.replace('_', '-')}" for f in ("long", "as_gpu", "deviceless") if getattr(args, f))
+  sharding, backend = None, contextlib.nullcontext()
+  if args.deviceless:
+    from benchmarks import deviceless
+
+    sharding, backend = deviceless.h200_sharding(), deviceless.gpu_default_backend()
+  device = sharding.mesh.devices.flat[0] if sharding is not None else jax.devices()[0]
+  print(f"device {device.device_kind}; {args.batch} x {args.seq_len} tokens; "
         f"overrides {args.set or 'none'}{flags}", flush=True)
   for part in parts:
     t0 = time.perf_counter()
     if part == "step":
-      compiled = compile_step(config, args.batch, args.seq_len)
+      with backend:
+        compiled = compile_step(config, args.batch, args.seq_len, sharding)
     else:
       compiled = compile_part(config, part, args.batch, args.seq_len)
     ma = compiled.memory_analysis()

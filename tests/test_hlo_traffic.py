@@ -1,0 +1,117 @@
+"""benchmarks/hlo_traffic.py: the static traffic count of a compiled module, on hand-written HLO."""
+
+import jax
+import pytest
+from jax.experimental import topologies
+
+from benchmarks import deviceless, hlo_traffic
+
+HLO = """HloModule m
+
+%fused_a (p0: bf16[4,8]) -> (f32[4,8], bf16[4,8]) {
+  %p0 = bf16[4,8]{1,0} parameter(0)
+  %c = f32[4,8]{1,0} convert(%p0)
+  ROOT %t = (f32[4,8]{1,0}, bf16[4,8]{1,0}) tuple(%c, %p0)
+}
+
+%fused_b (p1: f32[4,8]) -> f32[4,8] {
+  %p1 = f32[4,8]{1,0} parameter(0)
+  ROOT %n = f32[4,8]{1,0} negate(%p1)
+}
+
+%body (arg: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %arg = (s32[], f32[4,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %x = f32[4,8]{1,0} get-tuple-element(%arg), index=1
+  %f = f32[4,8]{1,0} fusion(%x), kind=kLoop, calls=%fused_b, metadata={op_name="jit(f)/optimizer/neg"}
+  ROOT %r = (s32[], f32[4,8]{1,0}) tuple(%i, %f)
+}
+
+%cond (arg.1: (s32[], f32[4,8])) -> pred[] {
+  %arg.1 = (s32[], f32[4,8]{1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%arg.1), index=0
+  %k = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i.1, %k), direction=LT
+}
+
+ENTRY %main (a: bf16[4,8]) -> f32[4,8] {
+  %a = bf16[4,8]{1,0} parameter(0)
+  %fa = (f32[4,8]{1,0}, bf16[4,8]{1,0}) fusion(%a), kind=kLoop, calls=%fused_a, metadata={op_name="jit(f)/transpose(jvp(Transformer))/layer_2/mixer_norm/mul"}
+  %g0 = f32[4,8]{1,0} get-tuple-element(%fa), index=0
+  %g1 = bf16[4,8]{1,0} get-tuple-element(%fa), index=1
+  %b1 = bf16[32]{0} bitcast(%g1)
+  %mm = (f32[4,8]{1,0}, s8[64]{0}) custom-call(%g1, %g1), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(f)/jvp(Transformer)/layer_2/kda/qkv_conv/dot_general"}
+  %g2 = f32[4,8]{1,0} get-tuple-element(%mm), index=0
+  %z = s32[] constant(0)
+  %init = (s32[], f32[4,8]{1,0}) tuple(%z, %g0)
+  %w = (s32[], f32[4,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %wout = f32[4,8]{1,0} get-tuple-element(%w), index=1
+  %sum = bf16[32]{0} negate(%b1), metadata={op_name="jit(f)/optimizer/neg"}
+  ROOT %add = f32[4,8]{1,0} add(%wout, %g2), metadata={op_name="jit(f)/optimizer/add"}
+}
+"""  # noqa: E501
+
+
+def test_kernels_are_the_launches_of_the_stream_computations():
+  ks, types = hlo_traffic.kernels(HLO)
+  by_name = {k.name: k for k in ks}
+  # Not the instructions inside fusions, nor views, tuples, constants and the loop itself.
+  assert set(by_name) == {"fa", "mm", "f", "lt", "sum", "add"}
+  assert by_name["f"].times == 3 and by_name["fa"].times == 1  # a loop body, per its trip count
+  assert [str(a.dtype) for a in by_name["mm"].outputs] == ["f32", "s8"]
+  assert types["g1"] == [hlo_traffic.Array("bf16", (4, 8))]
+
+
+def test_traffic_by_part_direction_and_dtype():
+  t = hlo_traffic.traffic(HLO)
+  assert t[("pre-norms", "backward", "f32")] == [128, 0]
+  assert t[("pre-norms", "backward", "bf16")] == [64, 64]
+  # The GEMM reads its operand twice and its s8 workspace is not traffic.
+  assert t[("KDA / qkv_conv", "forward", "bf16")] == [0, 128]
+  assert t[("KDA / qkv_conv", "forward", "f32")] == [128, 0]
+  # The loop body's fusion three times; the entry's add reads two f32 [4,8]; the bitcast's negate bf16.
+  assert t[("optimizer update", "", "f32")] == [3 * 128 + 128, 3 * 128 + 256]
+  assert t[("optimizer update", "", "bf16")] == [64, 64]
+
+
+def test_wide_buffers_count_the_reads_of_each_output():
+  rows = hlo_traffic.wide_buffers(HLO, min_elements=32)
+  reads = {name: n for _, _, _, n, name, _ in rows}
+  # fa's float32 output goes only into the loop's carried tuple, which is not followed; the GEMM's is
+  # read by the add.
+  assert reads == {"fa": 0, "mm": 1, "f": 0, "add": 0}
+  assert hlo_traffic.wide_buffers(HLO, min_elements=33) == []
+
+
+def test_part_totals_and_report():
+  once = HLO.replace('"n":"3"', '"n":"1"')
+  before, after = hlo_traffic.part_totals(once), hlo_traffic.part_totals(HLO)
+  assert after - before == {("optimizer update", ""): 2 * (128 + 128)}
+  lines = hlo_traffic.report(HLO, 32, "t", baseline=once)
+  assert lines[0] == "## t"
+  rows = [line for line in lines if line.startswith("| pre-norms | backward |")]
+  # Its row of the traffic table, then of the float32 buffers' (one buffer).
+  assert rows == ["| pre-norms | backward | 0.00 | 0.00 | 0.00 | 0.00 |",
+                  "| pre-norms | backward | 1 | 0.00 | 0.00 |"]
+  assert "Float32 kernel outputs of 32 elements or more: 4, 0.00 GiB written" in "\n".join(lines)
+  assert "Against the baseline module (GiB, written + read):" in lines
+
+
+def test_dtype_bytes():
+  assert [hlo_traffic.dtype_bytes(t) for t in ("pred", "bf16", "f32", "s8", "f8e4m3fn", "s4", "c64")] == \
+      [1, 2, 4, 1, 1, 1, 8]
+
+
+def test_deviceless_helpers(monkeypatch):
+  real = jax.default_backend()
+  with deviceless.gpu_default_backend():
+    assert jax.default_backend() == "gpu"
+  assert jax.default_backend() == real
+
+  def no_plugin(*args, **kwargs):
+    raise NotImplementedError("topology not implemented for cuda")
+
+  monkeypatch.setattr(topologies, "get_topology_desc", no_plugin)
+  with pytest.raises(SystemExit, match="needs the CUDA PJRT plugin"):  # a clear exit, not a traceback
+    deviceless.h200_devices()
+  assert "core_count: 132" in deviceless.TARGET.read_text()
