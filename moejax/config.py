@@ -160,8 +160,8 @@ def base_config() -> ml_collections.ConfigDict:
   t.progress_bar = True
   # XLA may keep a value wider than the dtype the model rounds it to, and drops the f32 -> bf16 -> f32
   # round trips that the casts make (its default). Then a bf16 activation between two kernels is written
-  # and read as float32: in the H200 step (deviceless compile, benchmarks/hlo_traffic.py) about 28 GiB
-  # more traffic per step. Off, every cast is honoured, on the GPU as on the CPU.
+  # and read as float32: in the H200 step about 33 GiB more traffic per step, counted statically
+  # (BENCHMARKS.md, "Step HBM traffic"; not timed). Off, every cast is honoured, on the GPU as on the CPU.
   t.allow_excess_precision = False
   # Device mesh of the run (moejax.parallel.mesh): rows split over data x fsdp x expert, routed
   # experts over expert, params by their logical axes. All ones: one device.

@@ -62,7 +62,7 @@ def _dot_dtype(out_dtype) -> jnp.dtype:
   narrow type directly is the same number in half the bytes. Writing float32 and casting after is not:
   XLA:GPU keeps the cuBLAS output in float32 and, allowed excess precision, removes the cast's round
   trip whenever the consumer widens again, so the consumer reads the float32 tensor (the H200 step's
-  pre-norm backward read its projections' dx that way; BENCHMARKS.md, "Training step profile").
+  pre-norm backward read its projections' dx that way; BENCHMARKS.md, "Step HBM traffic").
   """
   out_dtype = jnp.dtype(out_dtype)
   return out_dtype if jnp.finfo(out_dtype).bits < 32 else jnp.dtype(jnp.float32)
