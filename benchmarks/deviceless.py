@@ -22,6 +22,9 @@ of a device it has not seen (it says so in a warning), and the Triton kernels' t
 import contextlib
 import os
 import pathlib
+import re
+import shutil
+import tempfile
 
 TARGET = pathlib.Path(__file__).with_name("h200_target.txtpb")
 
@@ -31,6 +34,50 @@ def use_step_flags() -> None:
   from benchmarks.step import XLA_FLAGS
 
   os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), XLA_FLAGS]))
+
+
+def verbose_ptxas() -> pathlib.Path:
+  """Has every ptxas run of this process (XLA's, for its Triton and Pallas Triton kernels, and Mosaic
+  GPU's) report registers and spills to the returned log, through a `ptxas -v` wrapper put first on the
+  PATH. Call before JAX starts its backends: it also turns XLA's in-process PTX compiler off."""
+  real = shutil.which("ptxas")
+  if real is None:
+    raise SystemExit("ptxas is not on the PATH (CUDA 13's, for sm_90a)")
+  where = pathlib.Path(tempfile.mkdtemp(prefix="ptxas_v_"))
+  log = where / "ptxas.log"
+  log.touch()
+  wrapper = where / "ptxas"
+  wrapper.write_text(f'#!/usr/bin/env bash\n"{real}" -v "$@" 2> >(tee -a "{log}" >&2)\n')
+  wrapper.chmod(0o755)
+  os.environ["PATH"] = f"{where}{os.pathsep}{os.environ['PATH']}"
+  flags = os.environ.get("XLA_FLAGS", "")
+  os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_libnvptxcompiler=false".strip()
+  return log
+
+
+_ENTRY = re.compile(r"Compiling entry function '([\w.$]+)'")
+
+
+def ptxas_kernels(log_text: str) -> dict[str, dict]:
+  """{kernel: {"registers", "spill_stores", "spill_loads"}} from `ptxas -v` output (the last report of
+  each kernel name)."""
+  out = {}
+  starts = [(m.start(), m.group(1)) for m in _ENTRY.finditer(log_text)] + [(len(log_text), None)]
+  for (begin, name), (end, _) in zip(starts, starts[1:], strict=False):
+    part = log_text[begin:end]
+    regs = re.search(r"Used (\d+) registers", part)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", part)
+    if regs:
+      out[name] = {"registers": int(regs.group(1)), "spill_stores": int(spill.group(1)) if spill else 0,
+                   "spill_loads": int(spill.group(2)) if spill else 0}
+  return out
+
+
+def warps_per_sm(registers: int) -> int:
+  """The warps an H100/H200 SM can hold at this many registers per thread (64K registers, allocated per
+  warp in units of 256, i.e. per thread in 8s), before any other limit."""
+  per_warp = -(-registers // 8) * 8 * 32
+  return min(64, 65536 // per_warp)
 
 
 def h200_devices() -> list:

@@ -115,3 +115,25 @@ def test_deviceless_helpers(monkeypatch):
   with pytest.raises(SystemExit, match="needs the CUDA PJRT plugin"):  # a clear exit, not a traceback
     deviceless.h200_devices()
   assert "core_count: 132" in deviceless.TARGET.read_text()
+
+
+PTXAS_LOG = """ptxas warning : Registers are spilled to local memory in function 'kda_prep_fwd', 16 bytes spill stores
+ptxas info    : Compiling entry function 'kda_prep_fwd' for 'sm_90a'
+ptxas info    : Function properties for kda_prep_fwd
+    16 bytes stack frame, 16 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 16 bytes cumulative stack size
+ptxas warning : Registers are spilled to local memory in function 'kda_prep_bwd', 4 bytes spill stores
+ptxas info    : Compiling entry function 'kda_scan_fwd_mosaic_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for kda_scan_fwd_mosaic_mosaic_gpu_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 146 registers, used 2 barriers, 1 bytes smem
+"""  # noqa: E501
+
+
+def test_ptxas_reports_and_register_bound_occupancy():
+  kernels = deviceless.ptxas_kernels(PTXAS_LOG)
+  assert kernels == {"kda_prep_fwd": {"registers": 255, "spill_stores": 16, "spill_loads": 12},
+                     "kda_scan_fwd_mosaic_mosaic_gpu_kernel": {"registers": 146, "spill_stores": 0,
+                                                               "spill_loads": 0}}
+  # 64K registers per SM, allocated per warp in units of 256 (8 per thread).
+  assert [deviceless.warps_per_sm(r) for r in (255, 168, 146, 128, 32)] == [8, 12, 13, 16, 64]
