@@ -102,6 +102,17 @@ def _operand_text(body: str) -> str:
   return body[start + 1:]
 
 
+def _instructions(lines):
+  """(name, opcode, what follows the result type, the result type) of each instruction line."""
+  for line in lines:
+    m = _INSTRUCTION.match(line)
+    if m is None:
+      continue
+    name, rest = m.groups()
+    type_text, body = _split_type(rest)
+    yield name, body.split("(", 1)[0].strip(), body, type_text
+
+
 def kernels(hlo_text: str) -> tuple[list[Kernel], dict[str, list[Array]]]:
   """Every kernel launch of a compiled module, and {instruction: its result arrays} for all of them.
 
@@ -118,13 +129,7 @@ def kernels(hlo_text: str) -> tuple[list[Kernel], dict[str, list[Array]]]:
     if lines[0].startswith("ENTRY"):
       entry = comp
     rows = []
-    for line in lines[1:]:
-      m = _INSTRUCTION.match(line)
-      if m is None:
-        continue
-      name, rest = m.groups()
-      type_text, body = _split_type(rest)
-      opcode = body.split("(", 1)[0].strip()
+    for name, opcode, body, type_text in _instructions(lines[1:]):
       types[name] = _arrays(type_text)
       rows.append((name, opcode, body, type_text))
       trip = _TRIP.search(body)
@@ -176,13 +181,7 @@ def traffic(hlo_text: str) -> dict:
 def _views(hlo_text: str) -> dict:
   """{get-tuple-element or bitcast: (the instruction it views, the tuple index or None)}."""
   views = {}
-  for line in hlo_text.splitlines():
-    m = _INSTRUCTION.match(line)
-    if m is None:
-      continue
-    name, rest = m.groups()
-    _, body = _split_type(rest)
-    opcode = body.split("(", 1)[0].strip()
+  for name, opcode, body, _ in _instructions(hlo_text.splitlines()):
     if opcode in ("get-tuple-element", "bitcast") and (src := _REF.findall(_operand_text(body))):
       index = re.search(r"\bindex=(\d+)", body) if opcode == "get-tuple-element" else None
       views[name] = (src[0], int(index.group(1)) if index else None)
