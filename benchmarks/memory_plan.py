@@ -57,8 +57,6 @@ def plan_config(args):
 def compile_step(config, batch: int, seq_len: int, sharding=None):
   """The train step as `python -m moejax.train` jits it, compiled for abstract arguments: on the default
   device, or with `sharding` (benchmarks/deviceless.h200_sharding) for the device of its mesh."""
-  import contextlib
-
   import jax
   import jax.numpy as jnp
 
