@@ -47,7 +47,17 @@ def verbose_ptxas() -> pathlib.Path:
   log = where / "ptxas.log"
   log.touch()
   wrapper = where / "ptxas"
-  wrapper.write_text(f'#!/usr/bin/env bash\n"{real}" -v "$@" 2> >(tee -a "{log}" >&2)\n')
+  # Each run's report goes to a file of its own and into the log whole, under a lock, once ptxas is done:
+  # runs at the same time must not interleave, and a reader must not find half a report.
+  wrapper.write_text(f"""#!/usr/bin/env bash
+out=$(mktemp)
+"{real}" -v "$@" 2>"$out"
+rc=$?
+cat "$out" >&2
+{{ flock 9; cat "$out" >> "{log}"; }} 9>>"{log}"
+rm -f "$out"
+exit $rc
+""")
   wrapper.chmod(0o755)
   os.environ["PATH"] = f"{where}{os.pathsep}{os.environ['PATH']}"
   flags = os.environ.get("XLA_FLAGS", "")
@@ -73,11 +83,12 @@ def ptxas_kernels(log_text: str) -> dict[str, dict]:
   return out
 
 
-def warps_per_sm(registers: int) -> int:
-  """The warps an H100/H200 SM can hold at this many registers per thread (64K registers, allocated per
-  warp in units of 256, i.e. per thread in 8s), before any other limit."""
+def warps_per_sm(registers: int, warps_per_block: int) -> int:
+  """The warps an H100/H200 SM can hold of a kernel with this many registers per thread and warps per
+  block, before any other limit: 64K registers, allocated per warp in units of 256 (per thread in 8s),
+  and whole blocks only, at most 64 warps."""
   per_warp = -(-registers // 8) * 8 * 32
-  return min(64, 65536 // per_warp)
+  return min(64 // warps_per_block, 65536 // (per_warp * warps_per_block)) * warps_per_block
 
 
 def h200_devices() -> list:

@@ -90,6 +90,18 @@ def _arrays(type_text: str) -> list[Array]:
   return [Array(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(type_text)]
 
 
+def _tuple_elements(type_text: str) -> list[str]:
+  """The top-level element types of a tuple type "(a, (b, c), d)"."""
+  inner, parts, depth, start = type_text.strip()[1:-1], [], 0, 0
+  for i, ch in enumerate(inner):
+    depth += ch in "({["
+    depth -= ch in ")}]"
+    if ch == "," and depth == 0:
+      parts.append(inner[start:i])
+      start = i + 1
+  return parts + [inner[start:]]
+
+
 def _operand_text(body: str) -> str:
   """The parenthesised operand list right after the opcode."""
   start = body.find("(")
@@ -135,9 +147,11 @@ def kernels(hlo_text: str) -> tuple[list[Kernel], dict[str, list[Array]]]:
       trip = _TRIP.search(body)
       for key, target in _CALLEES.findall(body):
         for callee in _REF.findall(target) or [target.lstrip("%")]:
-          if opcode == "fusion" or opcode.endswith("-start") or key in ("to_apply", "called_computations"):
-            fused.add(callee)  # runs inside this instruction's own kernel
-          else:
+          runs_inside = opcode == "fusion" or opcode.endswith("-start") or key == "called_computations" \
+              or (key == "to_apply" and opcode != "call")  # a reduce's or a sort's comparator
+          if runs_inside:
+            fused.add(callee)  # part of this instruction's own kernel
+          else:  # loop bodies and conditions, branches, and calls (e.g. XLA's command buffers)
             children[comp].append((callee, int(trip.group(1)) if trip and key == "body" else 1))
     parsed[comp] = rows
   if entry is None:
@@ -148,11 +162,15 @@ def kernels(hlo_text: str) -> tuple[list[Kernel], dict[str, list[Array]]]:
     if (comp, times) in seen or comp in fused or comp not in parsed:
       continue
     seen.add((comp, times))
-    for name, opcode, body, _ in parsed[comp]:
+    for name, opcode, body, type_text in parsed[comp]:
       if opcode in _NOT_KERNELS:
         continue
       operands = _REF.findall(_operand_text(body))
-      out.append(Kernel(name, opcode, types[name], operands, names.get(name, ""), times))
+      outputs = types[name]
+      if opcode.endswith("-start"):
+        # An async start's type is (its operands, its result, context...): it writes the result only.
+        outputs = _arrays(_tuple_elements(type_text)[1])
+      out.append(Kernel(name, opcode, outputs, operands, names.get(name, ""), times))
     stack.extend((child, times * n) for child, n in children.get(comp, ()))
   return out, types
 

@@ -14,6 +14,7 @@ and backward, about 30 s on two CPU cores.
 """
 
 import argparse
+import collections
 import pathlib
 import sys
 
@@ -25,6 +26,17 @@ from benchmarks.report import replace_section  # noqa: E402
 # Setting name -> (Config block field, Config tuning field).
 KNOBS = {"prep_fwd": ("block_fwd", "prep_fwd"), "prep_bwd": ("block", "prep_bwd"),
          "state_grads": ("block_grads", "state_grads")}
+
+
+def block_warps(config) -> collections.defaultdict:
+  """{kernel name: warps per block}: the Triton kernels' launch settings at chunk 32 (Config.for_chunk),
+  and one warpgroup for the Mosaic GPU scans (mosaic_scan.launch)."""
+  c = config.for_chunk(32)
+  out = collections.defaultdict(lambda: 4)  # the Mosaic scans' one warpgroup
+  out.update(kda_prep_fwd=c.prep_fwd.num_warps, kda_prep_bwd=c.prep_bwd.num_warps,
+             kda_state_grads=c.state_grads.num_warps, kda_scan_fwd=c.scan_fwd.num_warps,
+             kda_scan_bwd=c.scan_bwd.num_warps)
+  return out
 
 
 def compile_op(config, shape: tuple[int, int, int], gates: str, chunk: int) -> None:
@@ -72,16 +84,17 @@ def main(argv=None) -> None:
     for block, warps in getattr(args, knob):
       runs.append((f"{knob} block={block} warps={warps}",
                    Config(**{block_field: block, tuning_field: Tuning(warps, 1)}), f"kda_{knob}"))
-  lines = ["| setting | kernel | registers | spill stores / loads (bytes) | warps per SM (registers) |",
-           "|---|---|---|---|---|"]
+  lines = ["| setting | kernel | registers | spill stores / loads (bytes) | warps per block | "
+           "warps per SM (registers) |", "|---|---|---|---|---|---|"]
   for name, config, prefix in runs:
     start = log.stat().st_size
     compile_op(config, args.shape, args.gates, args.chunk)
     with log.open() as f:
       f.seek(start)
       kernels = deviceless.ptxas_kernels(f.read())
+    warps = block_warps(config)
     rows = [f"| {name} | {kernel} | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} | "
-            f"{deviceless.warps_per_sm(r['registers'])} |"
+            f"{warps[kernel]} | {deviceless.warps_per_sm(r['registers'], warps[kernel])} |"
             for kernel, r in sorted(kernels.items()) if kernel.startswith(prefix)]
     if not rows:
       raise SystemExit(f"no ptxas report of a KDA kernel in {log} for {name}")

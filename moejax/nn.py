@@ -57,9 +57,11 @@ def _dot_dtype(out_dtype) -> jnp.dtype:
   """The type a dot writes when its result is wanted in out_dtype: out_dtype itself when it is narrower
   than float32, else float32.
 
-  The GEMMs accumulate bf16 (and f16) products in float32 whatever type they write (cuBLAS and XLA's
-  Triton GEMMs on the GPU, XLA on the CPU: bit-identical to rounding a float32 result), so writing the
-  narrow type directly is the same number in half the bytes. Writing float32 and casting after is not:
+  The GEMMs accumulate bf16 (and f16) products in float32 whatever type they write, so writing the
+  narrow type directly is the same number in half the bytes: on the CPU bit-identical to rounding a
+  float32 result (tests/test_nn.py); XLA's Triton GEMMs add split-K partial sums in float32 too (seen in
+  a deviceless H200 compile); cuBLASLt may, for some shapes, pick a split-K reduction in the output type
+  (not checked), which would add one bf16 rounding per partial sum. Writing float32 and casting after is not:
   XLA:GPU keeps the cuBLAS output in float32 and, allowed excess precision, removes the cast's round
   trip whenever the consumer widens again, so the consumer reads the float32 tensor (the H200 step's
   pre-norm backward read its projections' dx that way; BENCHMARKS.md, "Step HBM traffic").

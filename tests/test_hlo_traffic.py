@@ -97,6 +97,39 @@ def test_part_totals_and_report():
   assert "Against the baseline module (GiB, written + read):" in lines
 
 
+CALL_HLO = """HloModule m
+
+%fused_n (p2: f32[256]) -> f32[256] {
+  %p2 = f32[256]{0} parameter(0)
+  ROOT %n2 = f32[256]{0} negate(%p2)
+}
+
+%command_buffer (x: f32[256]) -> f32[256] {
+  %x = f32[256]{0} parameter(0)
+  ROOT %fn = f32[256]{0} fusion(%x), kind=kLoop, calls=%fused_n, metadata={op_name="jit(f)/optimizer/neg"}
+}
+
+ENTRY %main (a: f32[256]) -> f32[256] {
+  %a = f32[256]{0} parameter(0)
+  %c = f32[256]{0} call(%a), to_apply=%command_buffer
+  %cs = (f32[256]{0}, f32[256]{0}, u32[]) copy-start(%c)
+  ROOT %cd = f32[256]{0} copy-done(%cs)
+}
+"""
+
+
+def test_calls_are_followed_and_async_starts_write_their_result_only():
+  """XLA wraps kernel sequences in calls (its command buffers, CUDA graphs, on the GPU); an async start's
+  type holds its operand too, which it does not write."""
+  ks, _ = hlo_traffic.kernels(CALL_HLO)
+  assert sorted(k.name for k in ks) == ["cs", "fn"]
+  copy = next(k for k in ks if k.name == "cs")
+  assert copy.outputs == [hlo_traffic.Array("f32", (256,))]
+  t = hlo_traffic.traffic(CALL_HLO)
+  assert t[("optimizer update", "", "f32")] == [1024, 1024]  # the called fusion
+  assert t[("other (outside the model and the named parts)", "", "f32")] == [1024, 1024]  # the copy
+
+
 def test_dtype_bytes():
   assert [hlo_traffic.dtype_bytes(t) for t in ("pred", "bf16", "f32", "s8", "f8e4m3fn", "s4", "c64")] == \
       [1, 2, 4, 1, 1, 1, 8]
@@ -135,5 +168,6 @@ def test_ptxas_reports_and_register_bound_occupancy():
   assert kernels == {"kda_prep_fwd": {"registers": 255, "spill_stores": 16, "spill_loads": 12},
                      "kda_scan_fwd_mosaic_mosaic_gpu_kernel": {"registers": 146, "spill_stores": 0,
                                                                "spill_loads": 0}}
-  # 64K registers per SM, allocated per warp in units of 256 (8 per thread).
-  assert [deviceless.warps_per_sm(r) for r in (255, 168, 146, 128, 32)] == [8, 12, 13, 16, 64]
+  # 64K registers per SM, allocated per warp in units of 256 (8 per thread), whole 4-warp blocks.
+  assert [deviceless.warps_per_sm(r, 4) for r in (255, 168, 146, 128, 32)] == [8, 12, 12, 16, 64]
+  assert deviceless.warps_per_sm(178, 8) == 8 and deviceless.warps_per_sm(168, 2) == 12

@@ -175,7 +175,8 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
       ext_BTHK = jnp.concatenate([carry.tails[name].astype(ext_BTHK.dtype), ext_BTHK], axis=1)
     # In the compute dtype, as the layer's other activations: q and k are l2-normalised in float32 from
     # it, and a float32 copy of the three, read again by the norms and their backward pass, was the
-    # largest float32 traffic of the H200 step's KDA layers (benchmarks/hlo_traffic.py).
+    # largest float32 traffic of the H200 step's KDA layers (benchmarks/hlo_traffic.py). The norms'
+    # float32 gradient reaches the convolution rounded to the compute dtype accordingly.
     y = conv_silu(ext_BTHK, p[f"conv_{name}"], doc_ext, implementation=conv_impl, out_dtype=dtype)[:, w:]
     if conv_impl == "xla":
       # The barrier keeps XLA:GPU from fusing the shifted taps into the l2 norm's reduction: that
