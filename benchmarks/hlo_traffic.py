@@ -156,12 +156,11 @@ def kernels(hlo_text: str) -> tuple[list[Kernel], dict[str, list[Array]]]:
     parsed[comp] = rows
   if entry is None:
     raise ValueError("no ENTRY computation in the HLO text")
-  out, stack, seen = [], [(entry, 1)], set()
+  out, stack = [], [(entry, 1)]  # HLO has no recursion; a computation called twice counts twice
   while stack:
     comp, times = stack.pop()
-    if (comp, times) in seen or comp in fused or comp not in parsed:
+    if comp in fused or comp not in parsed:
       continue
-    seen.add((comp, times))
     for name, opcode, body, type_text in parsed[comp]:
       if opcode in _NOT_KERNELS:
         continue

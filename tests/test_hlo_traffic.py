@@ -111,7 +111,8 @@ CALL_HLO = """HloModule m
 
 ENTRY %main (a: f32[256]) -> f32[256] {
   %a = f32[256]{0} parameter(0)
-  %c = f32[256]{0} call(%a), to_apply=%command_buffer
+  %c0 = f32[256]{0} call(%a), to_apply=%command_buffer
+  %c = f32[256]{0} call(%c0), to_apply=%command_buffer
   %cs = (f32[256]{0}, f32[256]{0}, u32[]) copy-start(%c)
   ROOT %cd = f32[256]{0} copy-done(%cs)
 }
@@ -119,14 +120,14 @@ ENTRY %main (a: f32[256]) -> f32[256] {
 
 
 def test_calls_are_followed_and_async_starts_write_their_result_only():
-  """XLA wraps kernel sequences in calls (its command buffers, CUDA graphs, on the GPU); an async start's
-  type holds its operand too, which it does not write."""
+  """XLA wraps kernel sequences in calls (its command buffers, CUDA graphs, on the GPU), each call a launch
+  of its kernels; an async start's type holds its operand too, which it does not write."""
   ks, _ = hlo_traffic.kernels(CALL_HLO)
-  assert sorted(k.name for k in ks) == ["cs", "fn"]
+  assert sorted(k.name for k in ks) == ["cs", "fn", "fn"]  # the computation is called twice
   copy = next(k for k in ks if k.name == "cs")
   assert copy.outputs == [hlo_traffic.Array("f32", (256,))]
   t = hlo_traffic.traffic(CALL_HLO)
-  assert t[("optimizer update", "", "f32")] == [1024, 1024]  # the called fusion
+  assert t[("optimizer update", "", "f32")] == [2048, 2048]  # the called fusion, twice
   assert t[("other (outside the model and the named parts)", "", "f32")] == [1024, 1024]  # the copy
 
 
