@@ -79,6 +79,22 @@ def fetch_backward(src, dst, *, b, h, c, cols, C: int, bar):
   plgpu.copy_gmem_to_smem(sdec_g.at[b, h, c], sdec_s, bar)
 
 
+def backward_ring(stages: int, C: int, K: int, block_v: int) -> list:
+  """The `stages` chunk slots that fetch_backward fills, in its dst order (W, qg, kd, A_qk, dO, sdec),
+  as scratch of both backward forms."""
+  X = tile_rows(C)[2]
+  bf = jnp.bfloat16
+  mma = functools.partial(smem_transforms, bf, max_elems=min(block_v, C))  # one swizzle, as in the forward
+  return [
+      plgpu.SMEM((stages, C, K), bf, transforms=mma(K)),       # W
+      plgpu.SMEM((stages, C, K), bf, transforms=mma(K)),       # qg
+      plgpu.SMEM((stages, X, K), bf, transforms=mma(K)),       # kd, rows [0, C)
+      plgpu.SMEM((stages, C, X), bf, transforms=mma(X)),       # A_qk, columns [0, C)
+      plgpu.SMEM((stages, C, block_v), bf, transforms=mma(block_v)),  # dO
+      plgpu.SMEM((stages, K), jnp.float32),                    # sdec
+  ]
+
+
 def smem_bytes_backward(K: int, C: int, block_v: int, stages: int) -> int:
   """Shared memory of one scan_backward_mosaic program, to the byte as Mosaic GPU counts it against the
   limit: `stages` chunk slots (W, qg, kd, A_qk, dO, sdec), the bf16 tiles of dS, -dV' and dV' (each buffer
@@ -179,13 +195,7 @@ def scan_backward_mosaic(dO, Aqk, kd, W, qg, sdec, dSfin, *, store_dtype, block_
     dS0_g.at[b, h, :, cols][...] = dS_KV
     plgpu.wait_smem_to_gmem(0)
 
-  scratch = [
-      plgpu.SMEM((stages, C, K), bf, transforms=mma(K)),       # W
-      plgpu.SMEM((stages, C, K), bf, transforms=mma(K)),       # qg
-      plgpu.SMEM((stages, X, K), bf, transforms=mma(K)),       # kd, rows [0, C)
-      plgpu.SMEM((stages, C, X), bf, transforms=mma(X)),       # A_qk, columns [0, C)
-      plgpu.SMEM((stages, C, BV), bf, transforms=mma(BV)),     # dO
-      plgpu.SMEM((stages, K), f32),                            # sdec
+  scratch = backward_ring(stages, C, K, BV) + [
       plgpu.SMEM((K, BV), bf, transforms=mma(BV)),             # dS, as a B operand and on its way out
       plgpu.SMEM((X, BV), bf, transforms=mma(BV)),             # -dV', as a B operand
       plgpu.SMEM((X, BV), bf, transforms=mma(BV)),             # dV' on its way out

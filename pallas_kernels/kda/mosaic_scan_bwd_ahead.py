@@ -42,7 +42,12 @@ from pallas_kernels.kda.mosaic_scan import (
   smem_transforms,
   tile_rows,
 )
-from pallas_kernels.kda.mosaic_scan_bwd import backward_copies, fetch_backward, smem_bytes_backward
+from pallas_kernels.kda.mosaic_scan_bwd import (
+  backward_copies,
+  backward_ring,
+  fetch_backward,
+  smem_bytes_backward,
+)
 
 
 def ahead_products_backward(kd, qg, W, C: int):
@@ -190,13 +195,7 @@ def scan_backward_mosaic_ahead(dO, Aqk, kd, W, qg, sdec, dSfin, *, store_dtype, 
     dS0_g.at[b, h, :, cols][...] = dS_KV
     plgpu.wait_smem_to_gmem(0)
 
-  scratch = [
-      plgpu.SMEM((stages, C, K), bf, transforms=mma(K)),       # W
-      plgpu.SMEM((stages, C, K), bf, transforms=mma(K)),       # qg
-      plgpu.SMEM((stages, X, K), bf, transforms=mma(K)),       # kd, rows [0, C)
-      plgpu.SMEM((stages, C, X), bf, transforms=mma(X)),       # A_qk, columns [0, C)
-      plgpu.SMEM((stages, C, BV), bf, transforms=mma(BV)),     # dO
-      plgpu.SMEM((stages, K), f32),                            # sdec
+  scratch = backward_ring(stages, C, K, BV) + [
       plgpu.SMEM((stages, X, C), bf, transforms=mma(C)),       # P, rows [0, C)
       plgpu.SMEM((stages, X, C), bf, transforms=mma(C)),       # Q, rows [0, C)
       plgpu.SMEM((K, BV), bf, transforms=mma(BV)),             # dS, as a B operand and on its way out
