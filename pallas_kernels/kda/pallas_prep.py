@@ -70,10 +70,10 @@ class _Program:
         ref[self.b, self.rows(p), self.h, self.cols(i)] = x.astype(ref.dtype)
     return put
 
-  def put_block(self, ref):
-    """Sink of the 16x16 block (p, r) of a [B,H,T,C] ref."""
-    def put(p, r, x):
-      ref[self.b, self.h, self.rows(p), pl.ds(r * TILE, TILE)] = x.astype(ref.dtype)
+  def put_square(self, ref):
+    """Sink of the [C,C] block of a [B,H,T,C] ref."""
+    def put(x):
+      ref[self.b, self.h, self.rows(), :] = x.astype(ref.dtype)
     return put
 
   def put_per_chunk(self, ref):
@@ -116,9 +116,9 @@ def prep_forward(q, k, v, g, beta, code, *, chunk: int, block: int, scale: float
   def kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref, W_ref, U_ref, qg_ref, kd_ref, Aqk_ref,
              sdec_ref, *solve_refs):
     pr = _Program(C, block, interpret)
-    A_put, Linv_put = (pr.put_block(ref) for ref in solve_refs) if keep_solve else (None, None)
-    put = tiles_fwd.Sinks(W=pr.put_tile(W_ref), U=pr.put_tile(U_ref), qg=pr.put_tile(qg_ref),
-                          kd=pr.put_tile(kd_ref), sdec=pr.put_per_chunk(sdec_ref), Aqk=pr.put_block(Aqk_ref),
+    A_put, Linv_put = (pr.put_square(ref) for ref in solve_refs) if keep_solve else (None, None)
+    put = tiles_fwd.Sinks(W=pr.put_full(W_ref), U=pr.put_full(U_ref), qg=pr.put_full(qg_ref),
+                          kd=pr.put_full(kd_ref), sdec=pr.put_per_chunk(sdec_ref), Aqk=pr.put_square(Aqk_ref),
                           A=A_put, Linv=Linv_put)
     tiles_fwd.prep(*pr.inputs(q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref), scale, prec, put)
 

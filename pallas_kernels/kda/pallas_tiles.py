@@ -17,8 +17,8 @@ With g >= -5 both exponents are within [-75, 75] on the diagonal tile and <= 0 b
 strip is one dense dot; columns after the strip are cut before the exp. The anchor is the first row
 because a later one would make a row's score depend on gates after it. The VJP's column side uses the
 column strip's first row as anchor, so its factors are bounded the same way.
-The 16x16 diagonal blocks of (I + A_kk)^{-1} come by doubling (X - X A_s X, A_s the lower-left part of
-each 2s block): blocked forward substitution, stable where a Neumann series is not.
+The forward's (I + A_kk)^{-1} comes by doubling (X - X A_s X, A_s the lower-left part of each 2s
+block, s = 1, 2, .. C/2): blocked forward substitution, stable where a Neumann series is not.
 """
 
 from collections.abc import Callable
@@ -100,14 +100,14 @@ def docs(code: Rows) -> Docs:
   return Docs(doc, last, (doc == 0)[:, None], (doc == last)[:, None], last == 0)
 
 
-def _full_mask(dm: Docs, strict: bool):
+def full_mask(dm: Docs, strict: bool):
   C = dm.doc.shape[0]
   i, j = iota((C, C), 0), iota((C, C), 1)
   same = dm.doc[:, None] == dm.doc[None, :]
   return same & ((j < i) if strict else (j <= i))
 
 
-def _from_anchor(G, Ga, p, C):
+def from_anchor(G, Ga, p, C):
   """e^{G_a - G_j} for strip p's anchor a and rows j up to the end of the strip, else 0."""
   return jnp.exp(jnp.where(iota((C, 1), 0) < (p + 1) * TILE, Ga[None, :] - G, -jnp.inf))
 
@@ -180,13 +180,14 @@ def gate_cumsum(gates: Chunk) -> Gates:
   return Gates(gates.n, lambda i: GateBlock(gates.full(i)))
 
 
-def inverse16(A, prec: Precision):
-  """(I + A)^{-1} for a strictly lower-triangular 16x16 A, by doubling (see the module docstring):
-  from X, the inverse of the s x s diagonal blocks, to that of the 2s x 2s ones."""
-  rows, cols = iota((TILE, TILE), 0), iota((TILE, TILE), 1)
+def inverse(A, prec: Precision):
+  """(I + A)^{-1} for a strictly lower-triangular [n,n] A, n a power of two, by doubling (see the module
+  docstring): from X, the inverse of the s x s diagonal blocks, to that of the 2s x 2s ones."""
+  n = A.shape[0]
+  rows, cols = iota((n, n), 0), iota((n, n), 1)
   X = (rows == cols).astype(jnp.float32)
   s = 1
-  while s < TILE:
+  while s < n:
     lower_left = (rows // (2 * s) == cols // (2 * s)) & (rows % (2 * s) >= s) & (cols % (2 * s) < s)
     X = X - dot(dot(X, jnp.where(lower_left, A, 0.0), prec.solve), X, prec.solve)
     s *= 2
@@ -307,10 +308,10 @@ def prep_vjp(q: Chunk, k: Chunk, v: Chunk, g: Gates, b: Rows, code: Rows, scale:
 
   carry = (jnp.zeros((C, C), jnp.float32), jnp.zeros((C,), jnp.float32))
   acc, db = loop(v.n, v_block, loop(k.n, k_block, carry))
-  dA = -jnp.where(_full_mask(dm, strict=True), acc, 0.0)
+  dA = -jnp.where(full_mask(dm, strict=True), acc, 0.0)
   put.b(db + jnp.sum(dA * scratch.full("A"), axis=1))
   scratch.put_full("K", b_C1 * dA)
-  scratch.put_full("Q", jnp.where(_full_mask(dm, strict=False), scale * f32(d.Aqk()), 0.0))
+  scratch.put_full("Q", jnp.where(full_mask(dm, strict=False), scale * f32(d.Aqk()), 0.0))
   scratch.barrier()
   tile_docs = _tile_docs(code, P)
   # The score cotangents' strips (Q: of A_qk, K: of A_kk) and Linv's, read once for every column block:
@@ -340,7 +341,7 @@ def prep_vjp(q: Chunk, k: Chunk, v: Chunk, g: Gates, b: Rows, code: Rows, scale:
     for t in range(P):
       Ga = Gb.row(t * TILE)
       # Row side of strip t: dx = (dP[t] @ k e^{G_a - G}) e^{G - G_a}.
-      kc = kf * _from_anchor(G, Ga, t, C)
+      kc = kf * from_anchor(G, Ga, t, C)
       dqE = dot(dq_rows(t), kc, prec.dscore)
       dkE = dot(dk_rows(t), kc, prec.dscore)
       # Column side of strip t: dy = (dP[:,t]^T @ x e^{G - G_a}) e^{G_a - G}.

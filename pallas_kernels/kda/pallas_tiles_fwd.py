@@ -1,16 +1,15 @@
-"""Per-chunk KDA forward math for the Pallas prep kernel, by 16x16 blocks (DESIGN §2 "Chunked form").
+"""Per-chunk KDA forward math for the Pallas prep kernel, as whole-chunk dots (DESIGN §2 "Chunked form").
 
-The [C,C] score and solve matrices are held as their lower-triangular 16x16 blocks (p, r), r <= p,
-each its own value, so nothing is sliced or concatenated and no block goes through global memory
-between being made and being used (the backward's prep_vjp, which needs whole strips and columns of
-them, reads what this writes). With P = C / 16 there are P(P+1)/2 blocks per matrix: 3 at C=32, 10
-at C=64, 36 at C=128.
+Every product is a [C,*] x [*,C] or [C,C] x [C,*] dot, so each warp of the program computes its share of
+a wide result. Held as 16x16 blocks instead, each a [16,BK] x [BK,16] dot, every warp needed the whole
+[16,BK] row operand: the operands filled the registers (255 per thread, ptxas) and an SM held 8 warps.
 
-Scores of block (p, r), anchored on strip p's first row a as in pallas_tiles:
-  S[i,j] = sum_d (x_id e^{G_id - G_ad}) (k_jd e^{G_ad - G_jd}),  i in strip p, j in strip r <= p.
-Solve: Linv = (I + A)^{-1}, A = b * strict(S_kk), by blocked forward substitution:
-  Linv_pp = (I + A_pp)^{-1} (pallas_tiles' 16x16 doubling),
-  Linv_pr = -Linv_pp sum_{r <= s < p} A_ps Linv_sr.
+Scores by 16-row strip p, anchored on the strip's first row a (pallas_tiles' docstring says why this is
+bounded): with R = x e^{G - G_anchor(row)} made once for all rows, each row's own strip anchor,
+  S = sum_p mask_p(R) (k e^{G_a(p) - G})^T,
+mask_p keeping strip p's rows and the column factor cut after strip p before its exp. The zero rows of
+the other strips cost FLOPs (P times the useful ones), which are cheap here, not registers.
+Solve: Linv = (I + A)^{-1}, A = b * strict(S_kk), by doubling over the whole chunk (pallas_tiles.inverse).
 """
 
 from collections.abc import Callable
@@ -27,17 +26,18 @@ from pallas_kernels.kda.pallas_tiles import (
   Rows,
   docs,
   f32,
-  inverse16,
+  from_anchor,
+  full_mask,
+  inverse,
   iota,
   loop,
 )
 
 
 class Sinks(NamedTuple):
-  """Where prep puts one chunk's results (scale folded into qg and Aqk):
-  W, qg, kd (p, i, [16,BK]) and U (p, i, [16,BV]) by 16-row tile and column block; sdec(i, [BK]) by K
-  block; Aqk(p, r, [16,16]) by block, the upper ones zero; and, to keep the solve
-  for the backward pass, A (strict S_kk) and Linv the same way (None: not kept)."""
+  """Where prep puts one chunk's results (scale folded into qg and Aqk): W, qg, kd (i, [C,BK]) and U
+  (i, [C,BV]) by column block; sdec (i, [BK]) by K block; Aqk ([C,C]), its upper part zero; and, to keep
+  the solve for the backward pass, A (strict S_kk) and Linv ([C,C]; None: not kept)."""
   W: Callable
   U: Callable
   qg: Callable
@@ -48,54 +48,43 @@ class Sinks(NamedTuple):
   Linv: Any = None
 
 
-def _pairs(P: int):
-  return [(p, r) for p in range(P) for r in range(p + 1)]
+def row(G, r: int):
+  """Row r of G [C,BK], by a masked max: taken out of G itself, it cancels exactly against G's row."""
+  return jnp.max(jnp.where(iota((G.shape[0], 1), 0) == r, G, -jnp.inf), axis=0)
 
 
-def _block_mask(code: Rows, p: int, r: int, strict: bool):
-  """[16,16]: entries (i in strip p, j in strip r) of the same document with j < i (strict) or j <= i."""
-  i = p * TILE + iota((TILE, TILE), 0)
-  j = r * TILE + iota((TILE, TILE), 1)
-  same = (code.tile(p) // 2)[:, None] == (code.tile(r) // 2)[None, :]
-  return same & ((j < i) if strict else (j <= i))
+def anchored_rows(G, P: int):
+  """(G - G_anchor(row), [G_a(p) for each strip p]): every row against its own strip's first row."""
+  rows = iota((G.shape[0], 1), 0)
+  anchors = [row(G, p * TILE) for p in range(P)]
+  G_anchor = anchors[0][None, :]
+  for p in range(1, P):
+    G_anchor = jnp.where(rows >= p * TILE, anchors[p][None, :], G_anchor)
+  return G - G_anchor, anchors
 
 
-def score_blocks(q: Chunk, k: Chunk, g: Gates, P: int, prec: Precision):
-  """Unmasked S_qk and S_kk as dicts {(p, r): [16,16]} over r <= p; g: the G operand."""
-  pairs = _pairs(P)
-  zero = jnp.zeros((TILE, TILE), jnp.float32)
+def scores(q: Chunk, k: Chunk, g: Gates, P: int, prec: Precision):
+  """Unmasked S_qk and S_kk, [C,C] each (entries after a row's own strip are zero, the diagonal blocks'
+  upper parts finite junk); g: the G operand."""
+  C = P * TILE
+  strip = iota((C, 1), 0) // TILE
 
   def body(i, acc):
-    Sqk, Skk = list(acc[0]), list(acc[1])
-    Gb = g.block(i)
-    G = [Gb.tile(t) for t in range(P)]
-    kt = [f32(k.tile(t, i)) for t in range(P)]
+    Sqk, Skk = acc
+    G = g.block(i).full()
+    loc, anchors = anchored_rows(G, P)
+    E = jnp.exp(loc)
+    kf = f32(k.full(i))
+    k_row, q_row = kf * E, f32(q.full(i)) * E
     for p in range(P):
-      Ga = Gb.row(p * TILE)[None, :]
-      Erow = jnp.exp(G[p] - Ga)
-      k_row, q_row = kt[p] * Erow, f32(q.tile(p, i)) * Erow
-      for r in range(p + 1):
-        k_col = kt[r] * jnp.exp(Ga - G[r])
-        n = pairs.index((p, r))
-        Skk[n] = Skk[n] + dot_nt(k_row, k_col, prec.big)
-        Sqk[n] = Sqk[n] + dot_nt(q_row, k_col, prec.big)
-    return tuple(Sqk), tuple(Skk)
+      k_col = kf * from_anchor(G, anchors[p], p, C)
+      mine = strip == p
+      Skk = Skk + dot_nt(jnp.where(mine, k_row, 0.0), k_col, prec.big)
+      Sqk = Sqk + dot_nt(jnp.where(mine, q_row, 0.0), k_col, prec.big)
+    return Sqk, Skk
 
-  Sqk, Skk = loop(k.n, body, ((zero,) * len(pairs), (zero,) * len(pairs)))
-  return dict(zip(pairs, Sqk, strict=True)), dict(zip(pairs, Skk, strict=True))
-
-
-def solve_blocks(A: dict, P: int, prec: Precision):
-  """Blocks of (I + A)^{-1} for A given by its blocks {(p, r): [16,16]}, r <= p, strictly lower."""
-  L = {}
-  for p in range(P):
-    L[p, p] = inverse16(A[p, p], prec)
-    for r in range(p):
-      acc = dot(A[p, r], L[r, r], prec.solve)
-      for s in range(r + 1, p):
-        acc = acc + dot(A[p, s], L[s, r], prec.solve)
-      L[p, r] = -dot(L[p, p], acc, prec.solve)
-  return L
+  zero = jnp.zeros((C, C), jnp.float32)
+  return loop(k.n, body, (zero, zero))
 
 
 def prep(q: Chunk, k: Chunk, v: Chunk, g: Gates, b: Rows, code: Rows, scale: float, prec: Precision,
@@ -110,49 +99,27 @@ def prep(q: Chunk, k: Chunk, v: Chunk, g: Gates, b: Rows, code: Rows, scale: flo
     # (with more blocks each pass is a loop, whose steps cannot hand values to the other's).
     only = g.block(0)
     g = g._replace(block=lambda i: only)
-  Sqk, Skk = score_blocks(q, k, g, P, prec)
-  zero = jnp.zeros((TILE, TILE), jnp.float32)
-  A, bA = {}, {}
-  for p, r in _pairs(P):
-    A[p, r] = jnp.where(_block_mask(code, p, r, strict=True), Skk[p, r], 0.0)
-    bA[p, r] = f32(b.tile(p))[:, None] * A[p, r]
-  L = solve_blocks(bA, P, prec)
-  for p in range(P):
-    for r in range(P):
-      lower = r <= p
-      put.Aqk(p, r, jnp.where(_block_mask(code, p, r, strict=False), scale * Sqk[p, r], 0.0) if lower
-              else zero)
-      if put.Linv is not None:
-        put.A(p, r, A[p, r] if lower else zero)
-        put.Linv(p, r, L[p, r] if lower else zero)
-  tile_doc = [code.tile(t) // 2 for t in range(P)]
-
-  def solved(rhs, t):
-    """Tile t of Linv @ rhs, rhs given by its tiles."""
-    out = dot(L[t, 0], rhs[0], prec.solve)
-    for r in range(1, t + 1):
-      out = out + dot(L[t, r], rhs[r], prec.solve)
-    return out
+  Sqk, Skk = scores(q, k, g, P, prec)
+  A = jnp.where(full_mask(dm, strict=True), Skk, 0.0)
+  b_C1 = f32(b.full())[:, None]
+  Linv = inverse(b_C1 * A, prec)
+  put.Aqk(jnp.where(full_mask(dm, strict=False), scale * Sqk, 0.0))
+  if put.Linv is not None:
+    put.A(A)
+    put.Linv(Linv)
 
   def w_block(i, carry):
-    Gb = g.block(i)
-    GC = Gb.row(C - 1)
+    G = g.block(i).full()
+    GC = row(G, C - 1)
     put.sdec(i, jnp.where(dm.whole, jnp.exp(GC), 0.0))
-    rhs = []
-    for t in range(P):
-      G_t, k_t = Gb.tile(t), f32(k.tile(t, i))
-      eG_t = jnp.exp(G_t)
-      put.qg(t, i, jnp.where((tile_doc[t] == 0)[:, None], scale * f32(q.tile(t, i)) * eG_t, 0.0))
-      put.kd(t, i, jnp.where((tile_doc[t] == dm.last)[:, None], k_t * jnp.exp(GC[None, :] - G_t), 0.0))
-      rhs.append(f32(b.tile(t))[:, None] * k_t * eG_t)
-    for t in range(P):
-      put.W(t, i, jnp.where((tile_doc[t] == 0)[:, None], solved(rhs, t), 0.0))
+    kf, eG = f32(k.full(i)), jnp.exp(G)
+    put.qg(i, jnp.where(dm.carried, scale * f32(q.full(i)) * eG, 0.0))
+    put.kd(i, jnp.where(dm.in_last, kf * jnp.exp(GC[None, :] - G), 0.0))
+    put.W(i, jnp.where(dm.carried, dot(Linv, b_C1 * kf * eG, prec.solve), 0.0))
     return carry
 
   def u_block(i, carry):
-    rhs = [f32(b.tile(t))[:, None] * f32(v.tile(t, i)) for t in range(P)]
-    for t in range(P):
-      put.U(t, i, solved(rhs, t))
+    put.U(i, dot(Linv, b_C1 * f32(v.full(i)), prec.solve))
     return carry
 
   loop(k.n, w_block, 0)
