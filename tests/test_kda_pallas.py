@@ -67,13 +67,17 @@ def rel_err(a, e):
 
 
 # Odd lengths, one partial chunk, padded widths (K 40 -> 64, V 24 -> 32), several K and V blocks per
-# kernel (block 16), V blocks of the state passes narrower than V, scale given, state from zero.
+# kernel (block 16), V blocks of the state passes narrower than V, scale given, state from zero, chunks
+# 16 to 128.
 CASES = {
     "T50-C16-docs": dict(T=50, C=16, H=2, K=16, V=16, docs=[5, 11, 16, 1, 17], scale=None,
                          config=Config(block=16, block_fwd=16, block_v_fwd=16, block_v_bwd=16)),
     "T131-C32-padded-blocks": dict(T=131, C=32, H=1, K=40, V=24, docs=[32, 1, 40, 58], scale=0.3,
                                    config=Config(block=16, block_fwd=16, block_v_fwd=16, block_v_bwd=32)),
     "T17-C64-api": dict(T=17, C=64, H=2, K=8, V=4, docs=None, scale=None, config="api"),
+    # The forward's solve doubles over the whole chunk: 7 levels at 128.
+    "T150-C128-docs": dict(T=150, C=128, H=1, K=16, V=16, docs=[90, 60], scale=None,
+                           config=Config(block=16, block_fwd=16)),
 }
 
 
