@@ -76,7 +76,9 @@ class Config:
     at 2 warps and 1 stage against 1.499 at 4 warps and 2; other chunks' forward blocks stay at `block`.
     Session 16: with a single column block the forward prep makes G once for scores and W, and
     128-column blocks at 4 warps took it to 0.497 ms (B=2 T=8192 H=16, bf16 gates) and 0.520 ms (the
-    step's B=4 H=8, float32 gates), against 0.533 and 0.657 with 64 columns at 2 warps."""
+    step's B=4 H=8, float32 gates), against 0.533 and 0.657 with 64 columns at 2 warps. Session 18's
+    whole-chunk forward prep kept both winners: 0.469 ms at 128 columns and 4 warps (0.773-0.998 with
+    64 or 32 columns, 0.790 at 8 warps), and at chunk 64 0.880 ms at 32 columns (1.77-4.95 wider)."""
     measured = _AT_32 if chunk <= 32 else _AT_64 if chunk <= 64 else _AT_128
     measured = dict(measured, block_fwd=measured.get("block_fwd", self.block))
     return dataclasses.replace(self, **{name: getattr(self, name) or tuning
