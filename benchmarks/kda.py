@@ -187,14 +187,12 @@ def run_fla(shapes, reps_ms, timeout_s):
 
 
 def pallas_config(args):
-  """The op's Config with --scan-lowering and --mosaic-ahead applied; None (the op's defaults) without."""
-  if not args.scan_lowering and not args.mosaic_ahead:
+  """The op's Config with --scan-lowering applied; None (the op's defaults) without."""
+  if not args.scan_lowering:
     return None
   from pallas_kernels.kda.pallas_op import Config
-  fwd, bwd = args.scan_lowering.split(",") if args.scan_lowering else ("", "")
-  ahead = args.mosaic_ahead or ""
-  return Config(scan_fwd_lowering=fwd or None, scan_bwd_lowering=bwd or None,
-                mosaic_ahead_fwd=ahead in ("fwd", "both"), mosaic_ahead_bwd=ahead in ("bwd", "both"))
+  fwd, bwd = args.scan_lowering.split(",")
+  return Config(scan_fwd_lowering=fwd or None, scan_bwd_lowering=bwd or None)
 
 
 def main_table(args):
@@ -445,8 +443,6 @@ def main():
   p.add_argument("--chunk", type=int, default=32, help="chunk size of ours in the table (fla's is its own)")
   p.add_argument("--scan-lowering", help="FWD,BWD: the state passes' lowerings in ours (pallas), each "
                  "'triton', 'mosaic' or empty for the op's choice, e.g. 'mosaic,triton'")
-  p.add_argument("--mosaic-ahead", choices=("fwd", "bwd", "both"),
-                 help="ours (pallas) with these Mosaic passes in look-ahead form (Config.mosaic_ahead_*)")
   args = p.parse_args()
   if args.scan_lowering and len(args.scan_lowering.split(",")) != 2:
     p.error("--scan-lowering takes FWD,BWD, e.g. 'mosaic,triton'")

@@ -1,8 +1,7 @@
 """Pallas lowering for the KDA kernels, measured on the state scans: forward and backward on the Triton
 lowering (pallas_kernels.kda.pallas_scan.scan_forward / scan_backward, the op's launch parameters) against
-their Mosaic GPU ports (pallas_kernels.kda.mosaic_scan*), and the ports' look-ahead forms
-(mosaic_scan_ahead, mosaic_scan_bwd_ahead: one round trip through the tensor cores per chunk), same
-inputs, same V blocks, one GPU, one process.
+their Mosaic GPU ports (pallas_kernels.kda.mosaic_scan*), same inputs, same V blocks, one GPU, one
+process.
 
     python3 benchmarks/kda_backend.py --out $OUT/kda_backend.md  # GPU: the table, as a ### section
     python3 benchmarks/kda_backend.py --smoke                    # CPU: tiny shapes, interpret mode, no times
@@ -16,8 +15,7 @@ over dV', the per-chunk dS and dS0 (backward), against the Triton scan at the sa
 against a float32 XLA recurrence. A setting that fails (compilation, shared memory, a run-time error)
 prints its error and the run goes on; one that hangs past --row-timeout ends the run with a traceback,
 after the rows before it were printed. Rows run Triton before Mosaic and forward before backward, so the
-newest kernels (the Mosaic backward scan, then the look-ahead forms, last) cannot take the others down
-with them.
+newest kernels (the Mosaic backward scan, last) cannot take the others down with them.
 """
 
 import faulthandler
@@ -38,8 +36,6 @@ def add_arguments(p):
   p.add_argument("--chunks", type=int, nargs="+", default=[64, 32])
   p.add_argument("--block-v", type=int, nargs="+", default=[16, 32, 64])
   p.add_argument("--stages", type=int, nargs="+", default=[2, 3], help="chunk slots of the Mosaic port")
-  p.add_argument("--ahead-stages", type=int, nargs="*", default=[3, 4],
-                 help="chunk slots of the look-ahead forms (>= 2; none: skip them)")
   p.add_argument("--row-timeout", type=int, default=120, help="seconds before a hung row ends the run")
 
 
@@ -150,11 +146,10 @@ CAPTION = ("The state scans alone (W, U, qg, kd, A_qk, sdec from the forward pre
            "H={H} K=V={D} bf16; forward: a random initial state; backward: random bf16 dO and float32 "
            "final-state cotangent). Triton: pallas_scan.scan_forward / scan_backward with the op's launch "
            "parameters for the chunk (Config.for_chunk). Mosaic GPU: pallas_kernels/kda/mosaic_scan*.py "
-           "(wgmma, a TMA ring of chunk slots; one warpgroup per program); look-ahead: "
-           "mosaic_scan*_ahead.py (the next chunk's V' or dV' made in the same round of wgmmas as this "
-           "chunk's products). ms: median of back-to-back calls. Errors: ||x - y|| / ||y||, the worse of o "
-           "and the final state (forward), the worst of dV', the per-chunk dS and dS0 (backward), against "
-           "the Triton scan at the same chunk and V block and against a float32 XLA recurrence.")
+           "(wgmma, a TMA ring of chunk slots; one warpgroup per program). ms: median of back-to-back "
+           "calls. Errors: ||x - y|| / ||y||, the worse of o and the final state (forward), the worst of "
+           "dV', the per-chunk dS and dS0 (backward), against the Triton scan at the same chunk and V "
+           "block and against a float32 XLA recurrence.")
 HEADER = ("pass", "backend", "chunk", "block_v", "launch", "ms", "Mosaic/Triton", "err vs Triton",
           "err vs f32")
 
@@ -177,26 +172,6 @@ def mosaic_scan(block_v, stages, interpret):
 
   return jax.jit(lambda *a: scan_forward_mosaic(*a, out_dtype=jnp.bfloat16, block_v=block_v, stages=stages,
                                                 interpret=interpret)[:2])
-
-
-def mosaic_scan_ahead(block_v, stages, interpret):
-  import jax
-  import jax.numpy as jnp
-
-  from pallas_kernels.kda.mosaic_scan_ahead import scan_forward_mosaic_ahead
-
-  return jax.jit(lambda *a: scan_forward_mosaic_ahead(*a, out_dtype=jnp.bfloat16, block_v=block_v,
-                                                      stages=stages, interpret=interpret)[:2])
-
-
-def mosaic_scan_backward_ahead(block_v, stages, interpret):
-  import jax
-  import jax.numpy as jnp
-
-  from pallas_kernels.kda.mosaic_scan_bwd_ahead import scan_backward_mosaic_ahead
-
-  return jax.jit(lambda *a: scan_backward_mosaic_ahead(*a, store_dtype=jnp.bfloat16, block_v=block_v,
-                                                       stages=stages, interpret=interpret))
 
 
 def triton_scan_backward(block_v, tuning, interpret):
@@ -225,9 +200,7 @@ def main():
   import jax.numpy as jnp
 
   from pallas_kernels.kda.mosaic_scan import smem_bytes
-  from pallas_kernels.kda.mosaic_scan_ahead import smem_bytes_ahead
   from pallas_kernels.kda.mosaic_scan_bwd import smem_bytes_backward
-  from pallas_kernels.kda.mosaic_scan_bwd_ahead import smem_bytes_backward_ahead
   from pallas_kernels.kda.pallas_op import Config
 
   smoke = args.smoke
@@ -284,17 +257,6 @@ def main():
           launch = f"{stages} slots, {smem(C, bv, stages) / 1024:.0f} KiB smem"
           run_row(pass_, "Mosaic GPU", C, bv, launch, mosaic_fn(bv, stages, smoke), inputs[C], ref[C],
                   base=triton[pass_, C, bv])
-  ahead = (("forward", problems, refs, mosaic_scan_ahead,
-            lambda C, bv, stages: smem_bytes_ahead(D, C, bv, stages, jnp.bfloat16)),
-           ("backward", problems_bwd, refs_bwd, mosaic_scan_backward_ahead,
-            lambda C, bv, stages: smem_bytes_backward_ahead(D, C, bv, stages)))
-  for pass_, inputs, ref, ahead_fn, smem in ahead:
-    for C in args.chunks:
-      for bv in block_vs:
-        for stages in args.ahead_stages:
-          launch = f"{stages} slots, {smem(C, bv, stages) / 1024:.0f} KiB smem"
-          run_row(pass_, "Mosaic GPU, look-ahead", C, bv, launch, ahead_fn(bv, stages, smoke), inputs[C],
-                  ref[C], base=triton[pass_, C, bv])
 
   lines = [*provenance(device), CAPTION.format(B=B, T=T, H=H, D=D), "",
            "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER),

@@ -181,25 +181,22 @@ def test_in_kernel_gate_cumsum_is_exact_to_float32_rounding(dtype):
     np.testing.assert_allclose(np.asarray(G.row(r)), want[r], rtol=0, atol=tol)
 
 
-@pytest.mark.parametrize("fwd,bwd,ahead,lengths", [
-    ("mosaic", "triton", False, (41, 59)), ("mosaic", "mosaic", False, (41, 59)),
-    ("triton", "mosaic", False, (41, 59)), ("mosaic", "mosaic", True, (41, 59)),
-    ("mosaic", "mosaic", True, (32, 20, 48))])
-def test_mosaic_state_pass_matches_triton_in_the_op(fwd, bwd, ahead, lengths):
+@pytest.mark.parametrize("fwd,bwd,lengths", [
+    ("mosaic", "triton", (41, 59)), ("mosaic", "mosaic", (41, 59)), ("triton", "mosaic", (41, 59)),
+    ("mosaic", "mosaic", (32, 20, 48))])
+def test_mosaic_state_pass_matches_triton_in_the_op(fwd, bwd, lengths):
   """The op with either state pass on Mosaic GPU (interpret mode) against the same op on Triton and the
   float32 recurrence: bf16 data, K=V=64, packed documents, state in and out, every gradient (the
   backward pass reads the states and V' that the forward keeps, and its state pass makes dV' and the
-  states' cotangents for the rest of the backward). `ahead`: both passes in their look-ahead forms
-  (mosaic_scan_ahead, mosaic_scan_bwd_ahead), whose products across chunks meet a document boundary
-  inside a chunk, and (lengths 32, 20, 48) one at a chunk's first row."""
+  states' cotangents for the rest of the backward). Documents end inside a chunk and (lengths 32, 20,
+  48) on a chunk boundary."""
   B, T, H, K, V = 1, 100, 1, 64, 64
   qkvgb, S0, cot = make_inputs(6, B, T, H, K, V, dtype=jnp.bfloat16)
   qkvgb = tuple(x.astype(jnp.float32) if i == 3 else x for i, x in enumerate(qkvgb))
   cot = (cot[0].astype(jnp.bfloat16), cot[1])
   segment_ids = jnp.asarray(ids_from_lengths(list(lengths)))[None]
   got = value_and_vjp(qkvgb, S0, segment_ids, cot, impl="kernel", C=32,
-                      config=Config(scan_fwd_lowering=fwd, scan_bwd_lowering=bwd, mosaic_ahead_fwd=ahead,
-                                    mosaic_ahead_bwd=ahead))
+                      config=Config(scan_fwd_lowering=fwd, scan_bwd_lowering=bwd))
   triton = value_and_vjp(qkvgb, S0, segment_ids, cot, impl="kernel", C=32,
                          config=Config(scan_fwd_lowering="triton", scan_bwd_lowering="triton"))
   f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
@@ -248,19 +245,12 @@ def test_state_pass_lowering_follows_what_mosaic_supports():
     Config(scan_bwd_lowering="mosaic").scan_lowering(32, 32, 32, bf16, **backward)
   with pytest.raises(ValueError, match="scan_bwd_lowering must be"):
     Config(scan_bwd_lowering="wgmma")
-  # The look-ahead forms: one more slot each, their own limits, each pass on its own.
-  ahead = Config(mosaic_ahead_fwd=True)
-  assert (ahead.ring_slots(), ahead.ring_slots(backward=True), Config().ring_slots()) == (3, 2, 2)
-  assert Config(mosaic_ahead_bwd=True).ring_slots(backward=True) == 3
-  assert ahead.scan_lowering(32, 128, 128, bf16) == "mosaic"
-  with pytest.raises(ValueError, match="shared memory"):  # 3 slots of chunk 64, V blocks of 32
-    Config(mosaic_ahead_fwd=True, scan_fwd_lowering="mosaic").scan_lowering(64, 128, 128, bf16)
-  assert ahead.scan_lowering(64, 128, 128, bf16) == "triton"
-  assert ahead.scan_lowering(64, 128, 128, bf16, backward=True) == "mosaic"
-  assert Config(mosaic_ahead_bwd=True).scan_lowering(32, 128, 128, bf16, backward=True) == "mosaic"
-  for name in ("mosaic_ahead_fwd", "mosaic_ahead_bwd"):
-    with pytest.raises(ValueError, match=f"{name} must be a bool"):
-      Config(**{name: 1})
+  # Shared memory: 3 slots of chunk 64 with V blocks of 64 ask for 234 KiB (the H200 has 227).
+  wide = dict(mosaic_slots=3, block_v_fwd=64)
+  with pytest.raises(ValueError, match="shared memory"):
+    Config(**wide, scan_fwd_lowering="mosaic").scan_lowering(64, 128, 128, bf16)
+  assert Config(**wide).scan_lowering(64, 128, 128, bf16) == "triton"
+  assert Config(**wide).scan_lowering(32, 128, 128, bf16) == "mosaic"
   with pytest.raises(ValueError, match="mosaic_slots must be a positive int"):
     Config(mosaic_slots=0)
 

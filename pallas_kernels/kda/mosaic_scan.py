@@ -37,9 +37,9 @@ How it maps onto Hopper:
   tile uses 2 * min(BV, C, 64) bytes: BV = 16 forces the narrowest, 32 bytes; BV = 64 with C = 64 gets
   the full 128 bytes.
 
-Backward: mosaic_scan_bwd. Both passes in one round trip through the tensor cores per chunk instead of
-two (the next chunk's V' or dV' made with this chunk's products): mosaic_scan_ahead and
-mosaic_scan_bwd_ahead, opt-in (Config.mosaic_ahead_fwd / _bwd) until a GPU has timed them.
+Backward: mosaic_scan_bwd. Look-ahead forms of both passes (the next chunk's V' or dV' made in this
+chunk's round of wgmmas, one round trip through the tensor cores per chunk instead of two) measured
+1.6x and 2.2x slower on the H200 and were removed (BENCHMARKS.md, "Pallas backend").
 
 Limits: K a multiple of 64 (the state is the M side of kd^T V', qg^T dO and W^T dV'); C and BV powers of
 two >= 16, BV <= 256; shared memory (smem_bytes, smem_bytes_backward) within the H200's 227 KiB
@@ -85,10 +85,9 @@ def check_shapes(K: int, C: int, block_v: int, V: int):
     raise ValueError(f"V block {block_v} must divide the value width {V}")
 
 
-def check_scan(K: int, C: int, block_v: int, V: int, T: int, stages: int, bf16_stores: tuple = (),
-               min_stages: int = 1):
+def check_scan(K: int, C: int, block_v: int, V: int, T: int, stages: int, bf16_stores: tuple = ()):
   """Raises ValueError for what a Mosaic scan cannot take: shapes (check_shapes), a length that is not
-  a whole number of chunks, fewer than min_stages slots, or stores asked for in another dtype than bf16
+  a whole number of chunks, no slots, or stores asked for in another dtype than bf16
   (bf16_stores: (name, dtype) pairs; the kernels store their bf16 operand tiles)."""
   for name, dtype in bf16_stores:
     if jnp.dtype(dtype) != jnp.bfloat16:
@@ -97,9 +96,8 @@ def check_scan(K: int, C: int, block_v: int, V: int, T: int, stages: int, bf16_s
   check_shapes(K, C, block_v, V)
   if T % C:
     raise ValueError(f"length {T} must be a whole number of chunks of {C}")
-  if stages < min_stages:
-    why = " (the look-ahead scans read two chunks at once)" if min_stages > 1 else ""
-    raise ValueError(f"stages must be >= {min_stages}{why}, got {stages}")
+  if stages < 1:
+    raise ValueError(f"stages must be >= 1, got {stages}")
 
 
 def launch(body, out_type, scratch, *, grid, interpret, name: str):

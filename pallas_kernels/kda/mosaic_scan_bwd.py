@@ -81,7 +81,7 @@ def fetch_backward(src, dst, *, b, h, c, cols, C: int, bar):
 
 def backward_ring(stages: int, C: int, K: int, block_v: int) -> list:
   """The `stages` chunk slots that fetch_backward fills, in its dst order (W, qg, kd, A_qk, dO, sdec),
-  as scratch of both backward forms."""
+  as the backward pass's scratch."""
   X = tile_rows(C)[2]
   bf = jnp.bfloat16
   mma = functools.partial(smem_transforms, bf, max_elems=min(block_v, C))  # one swizzle, as in the forward

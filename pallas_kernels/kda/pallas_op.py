@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import limits, mosaic_scan, mosaic_scan_ahead, mosaic_scan_bwd, mosaic_scan_bwd_ahead
+from pallas_kernels.kda import limits, mosaic_scan, mosaic_scan_bwd
 from pallas_kernels.kda import pallas_tiles as tiles
 from pallas_kernels.kda.pallas_backend import Tuning
 from pallas_kernels.kda.pallas_prep import prep_backward, prep_forward, state_grads
@@ -44,11 +44,6 @@ class Config:
   # And of the backward state pass (mosaic_scan_bwd), chosen the same way: 0.281 ms against 0.447 there.
   scan_bwd_lowering: str | None = None
   mosaic_slots: int = 2         # chunks in flight in the Mosaic scan's TMA ring (2 and 3 timed alike)
-  # The Mosaic passes in their look-ahead forms (mosaic_scan_ahead, mosaic_scan_bwd_ahead: one round trip
-  # through the tensor cores per chunk instead of two), each with one slot more, as it holds two chunks
-  # at once. Off until a GPU has timed them against the two-trip forms (benchmarks/kda_backend.py).
-  mosaic_ahead_fwd: bool = False
-  mosaic_ahead_bwd: bool = False
 
   def __post_init__(self):
     for name in ("block", "block_fwd", "block_grads", "block_v_fwd", "block_v_bwd"):
@@ -57,9 +52,6 @@ class Config:
         raise ValueError(f"Config.{name} must be a power of two >= 16 (Triton tiles), got {n!r}")
     if not isinstance(self.mosaic_slots, int) or self.mosaic_slots < 1:
       raise ValueError(f"Config.mosaic_slots must be a positive int, got {self.mosaic_slots!r}")
-    for name in ("mosaic_ahead_fwd", "mosaic_ahead_bwd"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("scan_fwd_lowering", "scan_bwd_lowering"):
       if getattr(self, name) not in (None, "triton", "mosaic"):
         raise ValueError(f"Config.{name} must be None, 'triton' or 'mosaic', got {getattr(self, name)!r}")
@@ -92,21 +84,13 @@ class Config:
     it runs only when asked for (as the tests do)."""
     name = "scan_bwd_lowering" if backward else "scan_fwd_lowering"
     chosen = getattr(self, name)
-    if backward:
-      unsupported = (mosaic_scan_bwd_ahead.unsupported_backward_ahead if self.mosaic_ahead_bwd
-                     else mosaic_scan_bwd.unsupported_backward)
-    else:
-      unsupported = mosaic_scan_ahead.unsupported_ahead if self.mosaic_ahead_fwd else mosaic_scan.unsupported
-    why = unsupported(K, chunk, self.mosaic_block_v(V, backward), V, store_dtype, self.ring_slots(backward))
+    unsupported = mosaic_scan_bwd.unsupported_backward if backward else mosaic_scan.unsupported
+    why = unsupported(K, chunk, self.mosaic_block_v(V, backward), V, store_dtype, self.mosaic_slots)
     if chosen == "mosaic" and why is not None:
       raise ValueError(f"Config.{name}='mosaic' cannot run here: {why}")
     if chosen is not None:
       return chosen
     return "triton" if why is not None or interpret else "mosaic"
-
-  def ring_slots(self, backward: bool = False) -> int:
-    """Slots of a Mosaic pass's ring: one more in the look-ahead forms (they read two chunks at once)."""
-    return self.mosaic_slots + (self.mosaic_ahead_bwd if backward else self.mosaic_ahead_fwd)
 
   def mosaic_block_v(self, V: int, backward: bool = False) -> int:
     """The Mosaic scans' V block: 32 columns (16 took 1.8x as long in the forward at B=2 T=8192 H=16,
@@ -154,11 +138,9 @@ def _forward(st: _Static, q, k, v, g, beta, S0, doc, keep: bool):
                                                  tuning=st.cfg.prep_fwd, keep_solve=keep)
   states_dtype = st.store_dtype if keep else None
   if st.cfg.scan_lowering(st.chunk, K, V, st.store_dtype, st.interpret) == "mosaic":
-    scan = (mosaic_scan_ahead.scan_forward_mosaic_ahead if st.cfg.mosaic_ahead_fwd
-            else mosaic_scan.scan_forward_mosaic)
-    o, S_fin, states, Vp = scan(
+    o, S_fin, states, Vp = mosaic_scan.scan_forward_mosaic(
         W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype, block_v=st.cfg.mosaic_block_v(V),
-        stages=st.cfg.ring_slots(), states_dtype=states_dtype, interpret=st.interpret)
+        stages=st.cfg.mosaic_slots, states_dtype=states_dtype, interpret=st.interpret)
   else:
     o, S_fin, states, Vp = scan_forward(W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype,
                                         block_v=st.cfg.block_v(st.cfg.block_v_fwd, q.shape[0], q.shape[2], V),
@@ -182,11 +164,9 @@ def _kda_bwd(st, res, cts):
   K, V = q.shape[-1], v.shape[-1]
   dO = dO.astype(st.store_dtype)
   if st.cfg.scan_lowering(st.chunk, K, V, st.store_dtype, st.interpret, backward=True) == "mosaic":
-    scan = (mosaic_scan_bwd_ahead.scan_backward_mosaic_ahead if st.cfg.mosaic_ahead_bwd
-            else mosaic_scan_bwd.scan_backward_mosaic)
-    dVp, dS_next, dS0 = scan(
+    dVp, dS_next, dS0 = mosaic_scan_bwd.scan_backward_mosaic(
         dO, Aqk, kd, W, qg, sdec, dS_fin.astype(jnp.float32), store_dtype=st.store_dtype,
-        block_v=st.cfg.mosaic_block_v(V, backward=True), stages=st.cfg.ring_slots(backward=True),
+        block_v=st.cfg.mosaic_block_v(V, backward=True), stages=st.cfg.mosaic_slots,
         interpret=st.interpret)
   else:
     dVp, dS_next, dS0 = scan_backward(dO, Aqk, kd, W, qg, sdec, dS_fin.astype(jnp.float32),
