@@ -1,14 +1,15 @@
 """Per-chunk KDA forward math for the Pallas prep kernel, as whole-chunk dots (DESIGN §2 "Chunked form").
 
-Every product is a [C,*] x [*,C] or [C,C] x [C,*] dot, so each warp of the program computes its share of
-a wide result. Held as 16x16 blocks instead, each a [16,BK] x [BK,16] dot, every warp needed the whole
-[16,BK] row operand: the operands filled the registers (255 per thread, ptxas) and an SM held 8 warps.
+Every product is a [C,*] x [*,C] or [C,C] x [C,*] dot. The block-wise form this replaced, each 16x16
+block of the scores and the solve its own dot, took 0.497 ms against this form's 0.469 at chunk 32 and
+1.45-1.70 against 0.880 at chunk 64 on the H200 (BENCHMARKS.md, "KDA kernel"); both use the 255
+registers per thread that ptxas allows, so an SM holds 8 warps of either.
 
 Scores by 16-row strip p, anchored on the strip's first row a (pallas_tiles' docstring says why this is
 bounded): with R = x e^{G - G_anchor(row)} made once for all rows, each row's own strip anchor,
   S = sum_p mask_p(R) (k e^{G_a(p) - G})^T,
-mask_p keeping strip p's rows and the column factor cut after strip p before its exp. The zero rows of
-the other strips cost FLOPs (P times the useful ones), which are cheap here, not registers.
+mask_p keeping strip p's rows and the column factor cut after strip p before its exp. With the other
+strips' rows zero, the score dots do P times the useful FLOPs (twice at C = 32).
 Solve: Linv = (I + A)^{-1}, A = b * strict(S_kk), by doubling over the whole chunk (pallas_tiles.inverse).
 """
 
