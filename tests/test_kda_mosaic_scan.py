@@ -210,6 +210,12 @@ def test_keep_mode_is_bf16_only():
     scan_forward_mosaic(*inputs, out_dtype=jnp.bfloat16, block_v=32, states_dtype=jnp.float32, interpret=True)
 
 
+def test_needs_a_slot():
+  inputs = scan_inputs(0, B=1, H=1, N=2, C=32, K=64, V=32, dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="stages must be >= 1"):
+    scan_forward_mosaic(*inputs, out_dtype=jnp.bfloat16, block_v=32, stages=0, interpret=True)
+
+
 @pytest.mark.parametrize("K,C,block_v,V",
                          [(96, 32, 16, 64), (64, 24, 16, 64), (64, 32, 8, 64), (64, 32, 32, 48)])
 def test_rejects_shapes_it_cannot_tile(K, C, block_v, V):

@@ -2,14 +2,18 @@
 
 Every product is a [C,*] x [*,C] or [C,C] x [C,*] dot. The block-wise form this replaced, each 16x16
 block of the scores and the solve its own dot, took 0.497 ms against this form's 0.469 at chunk 32 and
-1.45-1.70 against 0.880 at chunk 64 on the H200 (BENCHMARKS.md, "KDA kernel"); both use the 255
-registers per thread that ptxas allows, so an SM holds 8 warps of either.
+1.45-1.70 against 0.880 at chunk 64 on the H200 (BENCHMARKS.md, "KDA kernel"); at chunk 32 with
+128 columns and 4 warps both use the 255 registers per thread that ptxas allows, so an SM holds 8 warps
+of either.
 
 Scores by 16-row strip p, anchored on the strip's first row a (pallas_tiles' docstring says why this is
 bounded): with R = x e^{G - G_anchor(row)} made once for all rows, each row's own strip anchor,
   S = sum_p mask_p(R) (k e^{G_a(p) - G})^T,
 mask_p keeping strip p's rows and the column factor cut after strip p before its exp. With the other
-strips' rows zero, the score dots do P times the useful FLOPs (twice at C = 32).
+strips' rows zero, the score dots do P whole [C,C] products where the lower-triangular blocks need
+(P + 1) / 2P of one. The zero rows meet every column factor of strip p, so those must be finite: the
+gates' bound (g >= -5, e^{G_a - G_j} <= e^75) is what keeps 0 * inf out of the scores, not only what
+keeps them accurate.
 Solve: Linv = (I + A)^{-1}, A = b * strict(S_kk), by doubling over the whole chunk (pallas_tiles.inverse).
 """
 
