@@ -13,7 +13,7 @@ import ml_collections
 MIXERS = ("kda", "mla")
 BALANCE_MODES = ("quantile", "sign", "aux", "none")
 GROUPED_MATMULS = ("auto", "xla", "pallas", "interpret")
-ROUTER_MATMULS = ("f32", "bf16x3")  # moejax.layers.router.router_scores
+ROUTER_MATMULS = ("f32", "bf16x3", "auto")  # moejax.layers.router.router_scores
 BALANCE_IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")
 MLA_ATTENTIONS = ("auto", "xla", "cudnn", "pallas", "interpret")
 RESIDUAL_MODES = ("attnres", "residual")
@@ -120,8 +120,9 @@ def base_config() -> ml_collections.ConfigDict:
   # The experts' grouped matmuls: "auto" (Pallas kernel on GPU, jax.lax.ragged_dot elsewhere), "xla",
   # "pallas" (GPU only) or "interpret" (the Pallas kernels in interpret mode, slow; for tests).
   e.grouped_matmul = "auto"
-  # The router's logits x W_r: "f32" (one float32 matmul at HIGHEST precision) or "bf16x3" (the same
-  # products on bf16 tensor cores, W_r as three exact bf16 parts; needs model.dtype bfloat16).
+  # The router's logits x W_r: "f32" (one float32 matmul at HIGHEST precision), "bf16x3" (the same
+  # products on bf16 tensor cores, W_r as three exact bf16 parts; needs model.dtype bfloat16), or
+  # "auto" (bf16x3 where the activations are bf16, else f32).
   e.router_matmul = "f32"
 
   lo = m.loss = ml_collections.ConfigDict()

@@ -41,7 +41,7 @@ def _with(**overrides):
     (dict(model__moe__top_k=9), r"top_k=9 must be in \[1, num_experts=8\]"),
     (dict(model__moe__balance="magic"), r"balance='magic' not in"),
     (dict(model__moe__grouped_matmul="triton"), r"grouped_matmul='triton' not in"),
-    (dict(model__moe__router_matmul="tf32"), r"router_matmul='tf32' not in \('f32', 'bf16x3'\)"),
+    (dict(model__moe__router_matmul="tf32"), r"router_matmul='tf32' not in \('f32', 'bf16x3', 'auto'\)"),
     (dict(model__moe__router_matmul="bf16x3", model__dtype="float32"),
      r"router_matmul='bf16x3' needs model.dtype='bfloat16'"),
     (dict(model__moe__balance_implementation="cuda"),

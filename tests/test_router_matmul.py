@@ -62,6 +62,16 @@ def test_router_scores_choose_the_same_experts():
   assert np.array_equal(np.asarray(jax.lax.top_k(s_split, 8)[1]), np.asarray(jax.lax.top_k(s_f32, 8)[1]))
 
 
+def test_auto_picks_bf16x3_for_bf16_activations_only():
+  x, w, _ = inputs(0, 16, 32, 4)
+  for x_ in (x.astype(jnp.bfloat16), x.astype(jnp.float32)):
+    want = router_scores(x_, w, "bf16x3" if x_.dtype == jnp.bfloat16 else "f32")
+    np.testing.assert_array_equal(np.asarray(router_scores(x_, w, "auto")), np.asarray(want))
+  # The two modes differ on these inputs, so the comparison above tells them apart.
+  split, single = (np.asarray(router_scores(x.astype(jnp.bfloat16), w, m)) for m in ("bf16x3", "f32"))
+  assert not np.array_equal(split, single)
+
+
 def test_rejects_what_it_cannot_split():
   x, w, _ = inputs(0, 4, 8, 2)
   with pytest.raises(ValueError, match="bf16 activations"):

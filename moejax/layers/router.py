@@ -18,7 +18,10 @@ def router_scores(x_MD, w_DE, matmul: str = "f32"):
   matmul: "f32", one float32 matmul at Precision.HIGHEST (on the GPU, CUDA cores: the H200 step's
   router took 5.8 ms of matmuls for 0.2 TFLOP, BENCHMARKS.md "Training step profile"); "bf16x3", the
   same products on bf16 tensor cores (`logits_bf16x3`: float32 W as three exact bf16 parts, bf16 x
-  only)."""
+  only); "auto", bf16x3 for bf16 x and f32 otherwise (on the H200 a step of experiments/h200.py took
+  309.1 ms with bf16x3 against 312.7 with f32, one run each, BENCHMARKS.md "Training step")."""
+  if matmul == "auto":
+    matmul = "bf16x3" if x_MD.dtype == jnp.bfloat16 else "f32"
   if matmul == "f32":
     logits_ME = jnp.dot(x_MD.astype(jnp.float32), w_DE.astype(jnp.float32),
                         precision=jax.lax.Precision.HIGHEST)
