@@ -117,6 +117,12 @@ def _to_anchor(G, Ga, t, C):
   return jnp.exp(jnp.where(iota((C, 1), 0) >= t * TILE, G - Ga[None, :], -jnp.inf))
 
 
+def take_row(x, r: int):
+  """Row r of x [n,BK], by a masked max (Triton values cannot be indexed). Taken out of x itself, it
+  cancels exactly against x's own row r."""
+  return jnp.max(jnp.where(iota((x.shape[0], 1), 0) == r, x, -jnp.inf), axis=0)
+
+
 def _bf16_parts(g):
   """g as bf16 parts whose sum is g exactly: itself if bf16, else three (8 + 8 + 8 significant bits)."""
   if g.dtype == jnp.bfloat16:
@@ -164,8 +170,7 @@ class GateBlock:
 
   def row(self, r: int):
     """Row r, [BK]."""
-    t = self.tile(r // TILE)
-    return jnp.max(jnp.where(iota((TILE, 1), 0) == r % TILE, t, -jnp.inf), axis=0)
+    return take_row(self.tile(r // TILE), r % TILE)
 
 
 class Gates(NamedTuple):

@@ -36,6 +36,7 @@ from pallas_kernels.kda.pallas_tiles import (
   inverse,
   iota,
   loop,
+  take_row,
 )
 
 
@@ -53,15 +54,10 @@ class Sinks(NamedTuple):
   Linv: Any = None
 
 
-def row(G, r: int):
-  """Row r of G [C,BK], by a masked max: taken out of G itself, it cancels exactly against G's row."""
-  return jnp.max(jnp.where(iota((G.shape[0], 1), 0) == r, G, -jnp.inf), axis=0)
-
-
 def anchored_rows(G, P: int):
   """(G - G_anchor(row), [G_a(p) for each strip p]): every row against its own strip's first row."""
   rows = iota((G.shape[0], 1), 0)
-  anchors = [row(G, p * TILE) for p in range(P)]
+  anchors = [take_row(G, p * TILE) for p in range(P)]
   G_anchor = anchors[0][None, :]
   for p in range(1, P):
     G_anchor = jnp.where(rows >= p * TILE, anchors[p][None, :], G_anchor)
@@ -115,7 +111,7 @@ def prep(q: Chunk, k: Chunk, v: Chunk, g: Gates, b: Rows, code: Rows, scale: flo
 
   def w_block(i, carry):
     G = g.block(i).full()
-    GC = row(G, C - 1)
+    GC = take_row(G, C - 1)
     put.sdec(i, jnp.where(dm.whole, jnp.exp(GC), 0.0))
     kf, eG = f32(k.full(i)), jnp.exp(G)
     put.qg(i, jnp.where(dm.carried, scale * f32(q.full(i)) * eG, 0.0))
