@@ -1,12 +1,15 @@
-"""The KDA layer's short convolution + SiLU: Pallas kernels vs the XLA reference with autodiff.
+"""The KDA layer's short convolution + SiLU (+ the l2 norm of q and k): Pallas kernels vs XLA.
 
     python3 benchmarks/short_conv.py --out BENCHMARKS.md     # GPU: checks, times, writes the section
+    python3 benchmarks/short_conv.py --sweep 32,4 64,8 ...   # GPU: also times these row blocks, warps
     python3 benchmarks/short_conv.py --smoke                 # CPU: tiny shapes in interpret mode, prints
 
-At the h200.py step's shape per branch (B=4 T=8192, 8 heads of 128 channels, W=4, bf16, packed documents
-of geometric length, mean 2048). Both run forward (x -> silu(conv), float32 out, as the layer takes it)
-and forward + backward (dx, dw). Bytes: x read and y written once forward; x and dy read, dx written
-backward. Relative errors against the XLA path on float32 copies of the same inputs.
+At the h200.py step's shape per branch (B=4 T=8192, 8 heads of 128 channels, W=4, bf16 in and out,
+packed documents of geometric length, mean 2048), in the layer's two forms: q and k (each head
+l2-normalised) and v (not). XLA's is the "xla" path (the reference's forward, a barrier, the norm; the
+hand-written backward pass), as the layer ran it before the kernels. Both run forward and forward +
+backward (dx, dw). Bytes: x read and y written once forward; x and dy read, dx written backward.
+Relative errors against the "xla" path on float32 copies of the same inputs.
 """
 
 import os
@@ -20,50 +23,80 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report import fwd_bwd_table, kernel_benchmark_args, provenance, publish, relative_error  # noqa: E402
 from benchmarks.timing import copy_floor_note, time_ms  # noqa: E402
-from pallas_kernels.short_conv import conv_silu  # noqa: E402
+from pallas_kernels.kda.pallas_backend import Tuning  # noqa: E402
+from pallas_kernels.short_conv import Blocks, conv_silu  # noqa: E402
 
 SECTION = "Short convolution"
+EPS = 1e-6  # config.model.norm_eps
 
 
-def fwd_bwd(impl):
+def fwd_bwd(impl, eps, out_dtype, blocks=None):
   def f(x, w, doc, dy):
-    y, vjp = jax.vjp(lambda x, w: conv_silu(x, w, doc, implementation=impl, out_dtype=jnp.float32), x, w)
+    y, vjp = jax.vjp(lambda x, w: conv_silu(x, w, doc, implementation=impl, out_dtype=out_dtype,
+                                            normalize_eps=eps, blocks=blocks), x, w)
     return (y, *vjp(dy))
   return jax.jit(f)
 
 
-def fwd(impl):
-  return jax.jit(lambda x, w, doc: conv_silu(x, w, doc, implementation=impl, out_dtype=jnp.float32))
+def fwd(impl, eps, out_dtype, blocks=None):
+  return jax.jit(lambda x, w, doc: conv_silu(x, w, doc, implementation=impl, out_dtype=out_dtype,
+                                             normalize_eps=eps, blocks=blocks))
+
+
+def sweep_blocks(text: str) -> Blocks:
+  rows, warps = (int(v) for v in text.split(","))
+  tuning = Tuning(num_warps=warps, num_stages=1)
+  return Blocks(rows=rows, fwd=tuning, dz=tuning, dx=tuning)
 
 
 def main():
-  args = kernel_benchmark_args(__doc__.splitlines()[0])
+  args = kernel_benchmark_args(__doc__.splitlines()[0], lambda p: p.add_argument(
+      "--sweep", nargs="*", default=[], metavar="ROWS,WARPS",
+      help="also time the kernels at these row blocks and warps (all three kernels alike)"))
   B, T, H, K = (1, 100, 2, 16) if args.smoke else (4, 8192, 8, 128)
   ours = "interpret" if args.smoke else "pallas"
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((4, H, K)) * 0.5, jnp.float32)
-  dy = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.bfloat16)
   doc = jnp.asarray(np.cumsum(rng.random((B, T)) < 1 / 2048, axis=1), jnp.int32)
 
-  want = fwd_bwd("xla")(x.astype(jnp.float32), w, doc, dy)
   rows, times = [], {}
-  for name, impl in ((f"ours ({ours})", ours), ("XLA reference + autodiff", "xla")):
-    got = fwd_bwd(impl)(x, w, doc, dy)
-    errs = " / ".join(f"{relative_error(a, b):.1e}" for a, b in zip(got, want, strict=True))
-    tf, tb = time_ms(fwd(impl), x, w, doc), time_ms(fwd_bwd(impl), x, w, doc, dy)
-    times[impl] = (tf, tb)
-    rows.append((name, tf, tb, errs))
-    print(f"{name}: fwd {tf:.3f} ms, fwd+bwd {tb:.3f} ms, rel err y / dx / dw {errs}", flush=True)
+  for form, eps in (("q, k (normalised)", EPS), ("v", None)):
+    want = fwd_bwd("xla", eps, jnp.float32)(x.astype(jnp.float32), w, doc, dy.astype(jnp.float32))
+    for name, impl in ((f"ours ({ours})", ours), ("XLA", "xla")):
+      got = fwd_bwd(impl, eps, jnp.bfloat16)(x, w, doc, dy)
+      errs = " / ".join(f"{relative_error(a, b):.1e}" for a, b in zip(got, want, strict=True))
+      tf = time_ms(fwd(impl, eps, jnp.bfloat16), x, w, doc)
+      tb = time_ms(fwd_bwd(impl, eps, jnp.bfloat16), x, w, doc, dy)
+      times[form, impl] = (tf, tb)
+      rows.append((f"{form}: {name}", tf, tb, errs))
+      print(f"{form}, {name}: fwd {tf:.3f} ms, fwd+bwd {tb:.3f} ms, rel err y / dx / dw {errs}", flush=True)
+  sweep = []
+  for text in args.sweep:
+    blocks = sweep_blocks(text)
+    for form, eps in (("q, k", EPS), ("v", None)):
+      tf = time_ms(fwd(ours, eps, jnp.bfloat16, blocks), x, w, doc)
+      tb = time_ms(fwd_bwd(ours, eps, jnp.bfloat16, blocks), x, w, doc, dy)
+      sweep.append(f"| {form} | {blocks.rows} | {blocks.fwd.num_warps} | {tf:.3f} | {tb:.3f} |")
+      print(f"sweep {form} rows {blocks.rows} warps {blocks.fwd.num_warps}: fwd {tf:.3f} ms, "
+            f"fwd+bwd {tb:.3f} ms", flush=True)
   n = B * T * H * K
-  bytes_fwd, bytes_bwd = n * (2 + 4), n * (2 + 4 + 2)
+  bytes_fwd, bytes_bwd = n * (2 + 2), n * (2 + 2 + 2)
   floor = "" if args.smoke else copy_floor_note(bytes_fwd, bytes_fwd + bytes_bwd)
+  d = Blocks()
   lines = [*provenance(jax.devices()[0].device_kind),
            f"B={B} T={T} H={H} K={K} (one of the KDA layer's q/k/v branches in `experiments/h200.py`), "
-           f"W=4, bf16 in, float32 out, packed documents (mean length 2048).{floor}", "",
+           f"W=4, bf16 in and out, packed documents (mean length 2048); ours at the default blocks "
+           f"({d.rows} rows, {d.cols} columns or one head, {d.fwd.num_warps}/{d.dz.num_warps}/"
+           f"{d.dx.num_warps} warps).{floor}", "",
            *fwd_bwd_table(rows, "rel err y / dx / dw vs float32 XLA")]
-  r = [times["xla"][i] / times[ours][i] for i in range(2)]
-  lines += ["", f"XLA time / ours: forward {r[0]:.2f}x, forward + backward {r[1]:.2f}x."]
+  for form in ("q, k (normalised)", "v"):
+    r = [times[form, "xla"][i] / times[form, ours][i] for i in range(2)]
+    lines += ["", f"{form}: XLA time / ours: forward {r[0]:.2f}x, forward + backward {r[1]:.2f}x."]
+  if sweep:
+    lines += ["", "Row blocks and warps (all three kernels alike):", "",
+              "| form | rows | warps | fwd ms | fwd+bwd ms |", "|---|---|---|---|---|", *sweep]
   publish(args.out, SECTION, lines)
 
 

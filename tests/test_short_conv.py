@@ -1,6 +1,7 @@
 """conv_silu (pallas_kernels.short_conv): the Pallas kernels in interpret mode and the "xla" path's
-hand-written backward pass, each against autodiff of the XLA reference, forward and both gradients, on
-packed rows; the reference itself is tested against NumPy in test_kda_layer.py."""
+hand-written backward pass, each against autodiff of the XLA reference formula, forward and both
+gradients, on packed rows, with and without the l2 normalisation of each head; the reference itself is
+tested against NumPy in test_kda_layer.py."""
 
 import chex
 import hypothesis.strategies as st
@@ -11,18 +12,26 @@ import pytest
 from hypothesis import given, settings
 
 from pallas_kernels.short_conv import Blocks, conv_silu, short_conv
+from pallas_kernels.short_conv.reference import l2_normalize
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
 SMALL = Blocks(rows=16, cols=16)
 
 
-def fwd_and_grads(impl, x, w, doc, dy, blocks=SMALL, out_dtype=jnp.float32):
+def formula(x, w, doc, out_dtype, eps):
+  """The reference formula, written out: the SiLU rounded to the output dtype, then normalised."""
+  y = jax.nn.silu(short_conv(x, w, doc).astype(jnp.float32)).astype(out_dtype)
+  return y if eps is None else l2_normalize(y.astype(jnp.float32), eps).astype(out_dtype)
+
+
+def fwd_and_grads(impl, x, w, doc, dy, blocks=SMALL, out_dtype=jnp.float32, eps=None):
   """impl "autodiff": JAX's own differentiation of the reference formula (no custom VJP)."""
   if impl == "autodiff":
-    f = lambda x, w: jax.nn.silu(short_conv(x, w, doc).astype(jnp.float32)).astype(out_dtype)
+    f = lambda x, w: formula(x, w, doc, out_dtype, eps)
   else:
-    f = lambda x, w: conv_silu(x, w, doc, implementation=impl, blocks=blocks, out_dtype=out_dtype)
+    f = lambda x, w: conv_silu(x, w, doc, implementation=impl, blocks=blocks, out_dtype=out_dtype,
+                               normalize_eps=eps)
   y, vjp = jax.vjp(f, x, w)
   return (y, *vjp(dy.astype(y.dtype)))
 
@@ -32,63 +41,71 @@ def segments(rng, B, T):
   return jnp.asarray(np.stack([np.cumsum(rng.random(T) < 0.15) for _ in range(B)]), jnp.int32)
 
 
-@settings(max_examples=6, deadline=None)
-@given(seed=st.integers(0, 2**16), T=st.integers(1, 70), channels=st.sampled_from([(24,), (2, 16), (3, 5)]),
-       W=st.sampled_from([2, 4]), packed=st.booleans())
-def test_interpret_matches_xla_reference(seed, T, channels, W, packed):
-  """float32: rows not a multiple of the row block, channel counts not a multiple of the column block
-  (padded inside), one or several channel axes, documents of a few tokens (and taps of length 1)."""
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**16), T=st.integers(1, 70),
+       channels=st.sampled_from([(24,), (2, 16), (3, 5), (40,), (3, 32)]), W=st.sampled_from([2, 4]),
+       packed=st.booleans(), normalize=st.booleans())
+def test_interpret_matches_xla_reference(seed, T, channels, W, packed, normalize):
+  """float32: rows not a multiple of the row block (masked), channel counts not a multiple of the
+  column block (masked), one or several channel axes, documents of a few tokens (and taps of length 1),
+  each head l2-normalised or not (the kernels take one power-of-two head per column block)."""
+  eps = 1e-6 if normalize and channels[-1] in (16, 32) else None
   rng = np.random.default_rng(seed)
   B = 2
   x = jnp.asarray(rng.standard_normal((B, T, *channels)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((W, *channels)), jnp.float32)
   dy = jnp.asarray(rng.standard_normal((B, T, *channels)), jnp.float32)
   doc = segments(rng, B, T) if packed else None
-  got = jax.jit(lambda *a: fwd_and_grads("interpret", *a))(x, w, doc, dy)
-  want = jax.jit(lambda *a: fwd_and_grads("autodiff", *a))(x, w, doc, dy)
+  got = jax.jit(lambda *a: fwd_and_grads("interpret", *a, eps=eps))(x, w, doc, dy)
+  want = jax.jit(lambda *a: fwd_and_grads("autodiff", *a, eps=eps))(x, w, doc, dy)
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**16), T=st.integers(1, 40), channels=st.sampled_from([(24,), (2, 16), (3, 5)]),
-       W=st.sampled_from([2, 4]), packed=st.booleans(), bf16=st.booleans())
-def test_xla_backward_matches_autodiff(seed, T, channels, W, packed, bf16):
-  """The "xla" path's hand-written backward pass (short_conv_vjp) against autodiff of the same forward:
-  rows shorter than the taps, one-token documents, bf16 (whose rounding of the convolution before the
-  SiLU both must see alike)."""
+       W=st.sampled_from([2, 4]), packed=st.booleans(), bf16=st.booleans(), normalize=st.booleans())
+def test_xla_backward_matches_autodiff(seed, T, channels, W, packed, bf16, normalize):
+  """The "xla" path's hand-written backward pass (short_conv_vjp, reference.l2_normalize_vjp) against
+  autodiff of the same forward: rows shorter than the taps, one-token documents, bf16 (whose rounding
+  of the convolution before the SiLU, and of the SiLU before the norm, both must see alike)."""
+  eps = 1e-6 if normalize else None
   rng = np.random.default_rng(seed)
   B, dt = 2, jnp.bfloat16 if bf16 else jnp.float32
   x = jnp.asarray(rng.standard_normal((B, T, *channels)), dt)
   w = jnp.asarray(rng.standard_normal((W, *channels)), jnp.float32)
   dy = jnp.asarray(rng.standard_normal((B, T, *channels)), jnp.float32)
   doc = segments(rng, B, T) if packed else None
-  got = jax.jit(lambda *a: fwd_and_grads("xla", *a, out_dtype=dt))(x, w, doc, dy)
-  want = jax.jit(lambda *a: fwd_and_grads("autodiff", *a, out_dtype=dt))(x, w, doc, dy)
+  got = jax.jit(lambda *a: fwd_and_grads("xla", *a, out_dtype=dt, eps=eps))(x, w, doc, dy)
+  want = jax.jit(lambda *a: fwd_and_grads("autodiff", *a, out_dtype=dt, eps=eps))(x, w, doc, dy)
   assert got[1].dtype == dt and got[2].dtype == jnp.float32
   tol = 2e-2 if bf16 else 1e-5
   chex.assert_trees_all_close(got, want, rtol=tol, atol=tol)
 
 
-def test_bfloat16_and_default_blocks():
+@pytest.mark.parametrize("eps", [None, 1e-6])
+def test_bfloat16_and_default_blocks(eps):
   """bf16 inputs with the default blocks: the kernel rounds the convolution to bf16 before the SiLU, as
   the reference does, so the forward pass matches to bf16 output rounding and the gradients within
-  bf16 noise; dx comes back in bf16."""
+  bf16 noise; dx comes back in bf16. Normalised: heads of 32 channels, one per column block."""
   rng = np.random.default_rng(0)
   B, T, C = 2, 100, 160
   x = jnp.asarray(rng.standard_normal((B, T, C)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((4, C)) * 0.5, jnp.float32)
   dy = jnp.asarray(rng.standard_normal((B, T, C)), jnp.bfloat16)
   doc = segments(rng, B, T)
-  got = fwd_and_grads("interpret", x, w, doc, dy, Blocks(), jnp.bfloat16)
-  want = fwd_and_grads("autodiff", x, w, doc, dy, Blocks(), jnp.bfloat16)
+  if eps is not None:
+    x, w, dy = (a.reshape(*a.shape[:-1], 5, 32) for a in (x, w, dy))
+  got = fwd_and_grads("interpret", x, w, doc, dy, Blocks(), jnp.bfloat16, eps)
+  want = fwd_and_grads("autodiff", x, w, doc, dy, Blocks(), jnp.bfloat16, eps)
   assert got[1].dtype == jnp.bfloat16 and got[2].dtype == jnp.float32
   for a, b in zip(got, want, strict=True):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2
 
 
+@pytest.mark.parametrize("eps", [None, 1e-6])
 @pytest.mark.parametrize("impl", ["interpret", "xla"])
-def test_documents_do_not_mix(impl):
+def test_documents_do_not_mix(impl, eps):
   """NaN in every input of the first document: nothing of it reaches the second one's outputs or
   gradients (a tap that crossed the boundary, forward or backward, would carry it; so would a mask
   applied as a product, NaN * 0)."""
@@ -97,9 +114,10 @@ def test_documents_do_not_mix(impl):
   dy = jnp.asarray(rng.standard_normal((1, 40, 16)), jnp.float32).at[:, :20].set(jnp.nan)
   w = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
   doc = jnp.asarray([[0] * 20 + [1] * 20], jnp.int32)
-  y, vjp = jax.vjp(lambda x: conv_silu(x, w, doc, implementation=impl, blocks=SMALL), x)
+  y, vjp = jax.vjp(lambda x: conv_silu(x, w, doc, implementation=impl, blocks=SMALL, normalize_eps=eps), x)
   (dx,) = vjp(dy)
-  want_y, want_vjp = jax.vjp(lambda x: conv_silu(x, w, None, implementation="xla"), x[:, 20:])
+  want_y, want_vjp = jax.vjp(lambda x: conv_silu(x, w, None, implementation="xla", normalize_eps=eps),
+                             x[:, 20:])
   np.testing.assert_allclose(y[:, 20:], want_y, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(dx[:, 20:], want_vjp(dy[:, 20:])[0], rtol=1e-5, atol=1e-6)
 
@@ -116,21 +134,26 @@ def test_bad_inputs_raise():
     conv_silu(x, w, implementation="pallas")
   with pytest.raises(ValueError, match="power of two"):
     Blocks(rows=24)
+  with pytest.raises(ValueError, match="normalize_eps"):
+    conv_silu(x, w, implementation="xla", normalize_eps=0.0)
+  with pytest.raises(ValueError, match="power-of-two last axis"):
+    conv_silu(jnp.zeros((1, 8, 2, 24)), jnp.zeros((4, 2, 24)), implementation="interpret", normalize_eps=1e-6)
 
 
-def test_lowers_to_triton_for_h200(monkeypatch):
-  """The GPU path (forward and backward kernels) lowers to Triton for an abstract H200, without a GPU,
-  at the KDA layer's shape and dtype."""
+@pytest.mark.parametrize("eps", [None, 1e-6])
+def test_lowers_to_triton_for_h200(monkeypatch, eps):
+  """The GPU path (the forward kernel and the backward pass's two) lowers to Triton for an abstract
+  H200, without a GPU, at the KDA layer's shape and dtype."""
   from pallas_kernels.short_conv import ops
   monkeypatch.setattr(ops.jax, "default_backend", lambda: "gpu")
   sd = lambda s, d=jnp.bfloat16: jax.ShapeDtypeStruct(s, d)
 
   def f(x, w, doc):
-    y, vjp = jax.vjp(lambda x, w: conv_silu(x, w, doc, implementation="pallas", out_dtype=jnp.float32), x, w)
+    y, vjp = jax.vjp(lambda x, w: conv_silu(x, w, doc, implementation="pallas", normalize_eps=eps), x, w)
     return y, vjp(y)
 
   h200 = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
     text = jax.jit(f).trace(sd((2, 1000, 8, 128)), sd((4, 8, 128), jnp.float32),
                             sd((2, 1000), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("xla.gpu.triton") == 2
+  assert text.count("xla.gpu.triton") == 3

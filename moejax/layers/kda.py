@@ -40,12 +40,6 @@ def bounded_decay(z_BTHK, A_log_H, dt_bias_HK, lb: float):
   return lb * jax.nn.sigmoid(s)
 
 
-def l2_normalize(x, eps: float):
-  """x / sqrt(sum x^2 + eps) over the last axis, in float32."""
-  x32 = x.astype(jnp.float32)
-  return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)
-
-
 def a_log_init(key, shape, dtype=jnp.float32):
   """log of U[1, 16]: per-head decay sharpness spread over a decade, as is common practice."""
   return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
@@ -169,27 +163,21 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
   conv_impl = kc.conv_implementation
   doc_ext = doc_BT if carry is None else jnp.concatenate([carry.tail_doc_BW, doc_BT], axis=1)
 
-  def conv_branch(name):
+  def conv_branch(name, normalize: bool):
     ext_BTHK = matmul("btd,dhk->bthk", x_BTD, p[f"w_{name}"], dtype)
     if carry is not None:
       ext_BTHK = jnp.concatenate([carry.tails[name].astype(ext_BTHK.dtype), ext_BTHK], axis=1)
-    # In the compute dtype, as the layer's other activations: q and k are l2-normalised in float32 from
-    # it, and a float32 copy of the three, read again by the norms and their backward pass, was the
-    # largest float32 traffic of the H200 step's KDA layers (benchmarks/hlo_traffic.py). The norms'
-    # float32 gradient reaches the convolution rounded to the compute dtype accordingly.
-    y = conv_silu(ext_BTHK, p[f"conv_{name}"], doc_ext, implementation=conv_impl, out_dtype=dtype)[:, w:]
-    if conv_impl == "xla":
-      # The barrier keeps XLA:GPU from fusing the shifted taps into the l2 norm's reduction: that
-      # fusion (q and k together, with the activations for the backward pass as extra outputs) took
-      # 3.5 ms per layer on the H200 step, about 25x what its bytes need.
-      y = jax.lax.optimization_barrier(y)
+    # In the compute dtype, as the layer's other activations. q and k come out l2-normalised over each
+    # head (in float32 from the rounded SiLU): the Pallas kernels do it in the tile that makes the head,
+    # so the norm costs no pass of its own, forward or backward.
+    y = conv_silu(ext_BTHK, p[f"conv_{name}"], doc_ext, implementation=conv_impl, out_dtype=dtype,
+                  normalize_eps=c.norm_eps if normalize else None)[:, w:]
     return y, ext_BTHK[:, ext_BTHK.shape[1] - w:]
 
   # The named scopes label this layer's parts in profiles (benchmarks/trace_parts.py).
   with jax.named_scope("qkv_conv"):
-    (q_BTHK, q_tail), (k_BTHK, k_tail), (v_BTHV, v_tail) = (conv_branch(n) for n in ("q", "k", "v"))
-    q_BTHK = l2_normalize(q_BTHK, c.norm_eps).astype(dtype)
-    k_BTHK = l2_normalize(k_BTHK, c.norm_eps).astype(dtype)
+    (q_BTHK, q_tail), (k_BTHK, k_tail), (v_BTHV, v_tail) = (
+        conv_branch(n, normalize) for n, normalize in (("q", True), ("k", True), ("v", False)))
   with jax.named_scope("gates"):
     beta_BTH = jax.nn.sigmoid(matmul("btd,dh->bth", x_BTD, p["w_beta"], dtype).astype(jnp.float32))
     z_BTR = matmul("btd,dr->btr", x_BTD, p["w_decay_a"], dtype)

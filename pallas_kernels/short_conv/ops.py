@@ -1,15 +1,15 @@
 """conv_silu: SiLU of the causal depthwise short convolution within documents, differentiable.
 
-    y_BTC = conv_silu(x_BTC, w_WC, doc_BT, implementation=None)
+    y_BTC = conv_silu(x_BTC, w_WC, doc_BT, implementation=None, normalize_eps=None)
           = silu(short_conv(x, w, doc) as float32), in out_dtype (default x's dtype)
+      or, with normalize_eps, l2_normalize(that y, as float32, over the last axis), in out_dtype
 
-x may carry extra channel axes ([B,T,H,K] with w [W,H,K]). "pallas" runs kernel.py's Triton-lowered
-kernels on a GPU, "interpret" the same kernels in Pallas interpret mode (how CI tests them), "xla" the
-reference's forward with a hand-written backward pass (reference.short_conv_vjp; tests hold it to
-autodiff of the reference); None picks "pallas" on GPU and "xla" elsewhere. On the H200 step XLA's
-fusions of the reference's forward pass and autodiff's backward took about 25 ms of the KDA layers'
-37 ms of projection and convolution work (BENCHMARKS.md, "Training step profile"); the hand-written
-backward pass, which asks for less memory (CPU plan at T=1M: 22 against 30 GiB), is not yet timed there.
+x may carry extra channel axes ([B,T,H,K] with w [W,H,K]). The normalised form is the KDA layer's q and
+k (DESIGN §2), and the Pallas kernels normalise each head in the tile that makes it, so the l2 norm costs
+no pass of its own, forward or backward. "pallas" runs kernel.py's Triton-lowered kernels on a GPU,
+"interpret" the same kernels in Pallas interpret mode (how CI tests them), "xla" the reference's
+forward with a hand-written backward pass (reference.short_conv_vjp; tests hold both to autodiff of the
+reference formula); None picks "pallas" on GPU and "xla" elsewhere.
 """
 
 import dataclasses
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.kda.pallas_backend import Tuning
 from pallas_kernels.short_conv import kernel
+from pallas_kernels.short_conv import reference as ref
 from pallas_kernels.short_conv.reference import check_channels, short_conv, short_conv_vjp, silu_grad
 
 IMPLEMENTATIONS = ("pallas", "interpret", "xla")
@@ -28,11 +29,13 @@ IMPLEMENTATIONS = ("pallas", "interpret", "xla")
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-  """Rows and columns per program (powers of two >= 16) and the kernels' launch settings."""
+  """Rows and columns per program (powers of two >= 16) and the three kernels' launch settings. A
+  normalised output takes one group of channels (the input's last axis) per column block instead."""
   rows: int = 32
   cols: int = 128
   fwd: Tuning = Tuning(num_warps=4, num_stages=1)
-  bwd: Tuning = Tuning(num_warps=8, num_stages=1)
+  dz: Tuning = Tuning(num_warps=4, num_stages=1)
+  dx: Tuning = Tuning(num_warps=4, num_stages=1)
 
   def __post_init__(self):
     for name in ("rows", "cols"):
@@ -42,9 +45,10 @@ class Blocks:
 
 
 def conv_silu(x_BTC, w_WC, doc_BT=None, *, implementation: str | None = None, out_dtype=None,
-              blocks: Blocks | None = None):
+              normalize_eps: float | None = None, blocks: Blocks | None = None):
   """silu(short_conv(x, w, doc)); see the module docstring. doc_BT: int document ids (None: one
-  document per row); a tap reaches only earlier positions of its own document."""
+  document per row); a tap reaches only earlier positions of its own document. normalize_eps: when
+  given, each output vector over the last axis is l2-normalised, y / sqrt(|y|^2 + eps)."""
   if implementation is None:
     implementation = "pallas" if jax.default_backend() == "gpu" else "xla"
   if implementation not in IMPLEMENTATIONS:
@@ -54,81 +58,91 @@ def conv_silu(x_BTC, w_WC, doc_BT=None, *, implementation: str | None = None, ou
   if doc_BT is not None and (tuple(doc_BT.shape) != (B, T) or not jnp.issubdtype(doc_BT.dtype, jnp.integer)):
     raise ValueError(f"conv_silu: doc_BT must be an integer [B,T]=({B}, {T}) array, got "
                      f"{doc_BT.dtype}{tuple(doc_BT.shape)}")
+  if normalize_eps is not None and not normalize_eps > 0:
+    raise ValueError(f"conv_silu: normalize_eps must be > 0 or None, got {normalize_eps!r}")
   out_dtype = jnp.dtype(x_BTC.dtype if out_dtype is None else out_dtype)
   if implementation == "xla":
-    return _conv_silu_xla(x_BTC, w_WC, doc_BT, out_dtype)
+    return _conv_silu_xla(x_BTC, w_WC, doc_BT, out_dtype, normalize_eps)
   if implementation == "pallas" and jax.default_backend() != "gpu":
     raise ValueError(f"conv_silu implementation='pallas' needs a GPU (backend is "
                      f"{jax.default_backend()!r}); use 'interpret' to run the kernels on the CPU")
   blocks = blocks or Blocks()
   W = w_WC.shape[0]
   C = math.prod(x_BTC.shape[2:])
-  bc = min(blocks.cols, max(16, 1 << (C - 1).bit_length()))
-  Cp, rows = -(-C // bc) * bc, -(-T // blocks.rows) * blocks.rows
-  x = jnp.pad(x_BTC.reshape(B, T, C), ((0, 0), (W - 1, rows - T + W - 1), (0, Cp - C)))
-  w = jnp.pad(w_WC.reshape(W, C), ((0, 0), (0, Cp - C)))
-  doc = jnp.zeros((B, T), jnp.int32) if doc_BT is None else doc_BT.astype(jnp.int32)
-  # Ids of their own for the padding: no tap of a real row reaches it.
-  doc = jnp.concatenate([jnp.full((B, W - 1), -1, jnp.int32), doc,
-                         jnp.full((B, rows - T + W - 1), -2, jnp.int32)], axis=1)
-  st = _Static(rows=rows, block_t=blocks.rows, block_c=bc, out_dtype=out_dtype, fwd=blocks.fwd,
-               bwd=blocks.bwd, interpret=implementation == "interpret")
-  y = _conv_silu(st, x, w, doc)
-  return y[:, :T, :C].reshape(x_BTC.shape)
+  if normalize_eps is None:
+    bc = min(blocks.cols, max(16, 1 << (C - 1).bit_length()))
+  else:
+    bc = x_BTC.shape[-1]
+    if x_BTC.ndim < 3 or bc & (bc - 1):
+      raise ValueError(f"conv_silu: the Pallas kernels normalise a power-of-two last axis, got shape "
+                       f"{tuple(x_BTC.shape)}; use implementation='xla'")
+  doc = None if doc_BT is None else doc_BT.astype(jnp.int32)
+  st = _Static(block_t=blocks.rows, block_c=bc, out_dtype=out_dtype, normalize_eps=normalize_eps,
+               blocks=blocks, interpret=implementation == "interpret")
+  y = _conv_silu(st, x_BTC.reshape(B, T, C), w_WC.reshape(W, C), doc)
+  return y.reshape(x_BTC.shape)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-  rows: int
   block_t: int
   block_c: int
   out_dtype: jnp.dtype
-  fwd: Tuning
-  bwd: Tuning
+  normalize_eps: float | None
+  blocks: Blocks
   interpret: bool
+
+  def kw(self, tuning: Tuning):
+    return dict(block_t=self.block_t, block_c=self.block_c, interpret=self.interpret, tuning=tuning)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _conv_silu(st: _Static, x, w, doc):
-  return kernel.forward(x, w, doc, rows=st.rows, block_t=st.block_t, block_c=st.block_c,
-                        out_dtype=st.out_dtype, interpret=st.interpret, tuning=st.fwd)
+  return kernel.forward(x, w, doc, out_dtype=st.out_dtype, normalize_eps=st.normalize_eps,
+                        **st.kw(st.blocks.fwd))
 
 
 def _conv_silu_fwd(st, x, w, doc):
   return _conv_silu(st, x, w, doc), (x, w, doc)
 
 
-def _conv_silu_bwd(st, res, dy):
+def _conv_silu_bwd(st, res, dout):
   x, w, doc = res
-  W = w.shape[0]
-  dy = jnp.pad(dy, ((0, 0), (0, W - 1), (0, 0)))
-  dx, dw_parts = kernel.backward(x, w, doc, dy, rows=st.rows, block_t=st.block_t, block_c=st.block_c,
-                                 interpret=st.interpret, tuning=st.bwd)
-  # dx covers the real rows; the padding rows of x get zeros.
-  dx = jnp.pad(dx, ((0, 0), (W - 1, W - 1), (0, 0)))
+  dz, dw_parts = kernel.backward_dz(x, w, doc, dout, normalize_eps=st.normalize_eps, **st.kw(st.blocks.dz))
+  dx = kernel.backward_dx(dz, w, doc, **st.kw(st.blocks.dx))
   return dx, jnp.sum(dw_parts, axis=(0, 1)).astype(w.dtype), None
 
 
 _conv_silu.defvjp(_conv_silu_fwd, _conv_silu_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _conv_silu_xla(x, w, doc, out_dtype):
-  return jax.nn.silu(short_conv(x, w, doc).astype(jnp.float32)).astype(out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _conv_silu_xla(x, w, doc, out_dtype, normalize_eps):
+  y = jax.nn.silu(short_conv(x, w, doc).astype(jnp.float32)).astype(out_dtype)
+  # The barrier keeps XLA:GPU from fusing the shifted taps into what reads y (the l2 norm's reduction
+  # here or in the layer): that fusion (q and k together, with the activations for the backward pass
+  # as extra outputs) took 3.5 ms per KDA layer on the H200 step, about 25x what its bytes need.
+  y = jax.lax.optimization_barrier(y)
+  if normalize_eps is None:
+    return y
+  return ref.l2_normalize(y.astype(jnp.float32), normalize_eps).astype(out_dtype)
 
 
-def _conv_silu_xla_fwd(x, w, doc, out_dtype):
-  return _conv_silu_xla(x, w, doc, out_dtype), (x, w, doc)
+def _conv_silu_xla_fwd(x, w, doc, out_dtype, normalize_eps):
+  return _conv_silu_xla(x, w, doc, out_dtype, normalize_eps), (x, w, doc)
 
 
-def _conv_silu_xla_bwd(out_dtype, res, dy):
+def _conv_silu_xla_bwd(out_dtype, normalize_eps, res, dout):
   # The convolution is recomputed (one fused pass) rather than kept, rounded to x's dtype as in the
   # forward pass; its cotangent goes on in x's dtype, as autodiff's would through that rounding. The
   # barrier keeps XLA from merging the recomputation with the forward pass's (CSE), which would keep a
   # float32 copy of the convolution from the forward pass instead.
   x, w, doc = jax.lax.optimization_barrier(res)
   z = short_conv(x, w, doc).astype(jnp.float32)
-  dz = (dy.astype(jnp.float32) * silu_grad(z)).astype(x.dtype)
+  dy = dout.astype(jnp.float32)
+  if normalize_eps is not None:
+    dy = ref.l2_normalize_vjp(jax.nn.silu(z).astype(out_dtype).astype(jnp.float32), dy, normalize_eps)
+  dz = (dy * silu_grad(z)).astype(x.dtype)
   dx, dw = short_conv_vjp(dz, x, w, doc)
   return dx, dw, None
 

@@ -33,6 +33,18 @@ def silu_grad(z32):
   return s * (1.0 + z32 * (1.0 - s))
 
 
+def l2_normalize(y32, eps: float):
+  """y / sqrt(|y|^2 + eps) over the last axis, float32."""
+  return y32 * jax.lax.rsqrt(jnp.sum(y32 * y32, axis=-1, keepdims=True) + eps)
+
+
+def l2_normalize_vjp(y32, dout32, eps: float):
+  """The cotangent of y for l2_normalize(y)'s cotangent dout: with r = (|y|^2 + eps)^(-1/2),
+  r dout - r^3 y (y . dout)."""
+  r = jax.lax.rsqrt(jnp.sum(y32 * y32, axis=-1, keepdims=True) + eps)
+  return r * dout32 - (r * r * r) * y32 * jnp.sum(y32 * dout32, axis=-1, keepdims=True)
+
+
 def check_channels(x_BTC, w_WC, op: str):
   """Raises ValueError unless w [W, *channels] has x [B, T, *channels]'s channel axes."""
   if tuple(w_WC.shape[1:]) != tuple(x_BTC.shape[2:]):
