@@ -44,14 +44,16 @@ def fwd(impl, eps, out_dtype, blocks=None):
 
 
 def sweep_blocks(text: str) -> Blocks:
-  rows, warps = (int(v) for v in text.split(","))
+  """ROWS,WARPS[,DZ_ROW_BLOCKS] (the last at its default when left out)."""
+  rows, warps, *rest = (int(v) for v in text.split(","))
   tuning = Tuning(num_warps=warps, num_stages=1)
-  return Blocks(rows=rows, fwd=tuning, dz=tuning, dx=tuning)
+  more = {"dz_row_blocks": rest[0]} if rest else {}
+  return Blocks(rows=rows, fwd=tuning, dz=tuning, dx=tuning, **more)
 
 
 def main():
   args = kernel_benchmark_args(__doc__.splitlines()[0], lambda p: p.add_argument(
-      "--sweep", nargs="*", default=[], metavar="ROWS,WARPS",
+      "--sweep", nargs="*", default=[], metavar="ROWS,WARPS[,DZ_ROW_BLOCKS]",
       help="also time the kernels at these row blocks and warps (all three kernels alike)"))
   B, T, H, K = (1, 100, 2, 16) if args.smoke else (4, 8192, 8, 128)
   ours = "interpret" if args.smoke else "pallas"
@@ -78,9 +80,10 @@ def main():
     for form, eps in (("q, k", EPS), ("v", None)):
       tf = time_ms(fwd(ours, eps, jnp.bfloat16, blocks), x, w, doc)
       tb = time_ms(fwd_bwd(ours, eps, jnp.bfloat16, blocks), x, w, doc, dy)
-      sweep.append(f"| {form} | {blocks.rows} | {blocks.fwd.num_warps} | {tf:.3f} | {tb:.3f} |")
-      print(f"sweep {form} rows {blocks.rows} warps {blocks.fwd.num_warps}: fwd {tf:.3f} ms, "
-            f"fwd+bwd {tb:.3f} ms", flush=True)
+      sweep.append(f"| {form} | {blocks.rows} | {blocks.fwd.num_warps} | {blocks.dz_row_blocks} | {tf:.3f} | "
+                   f"{tb:.3f} |")
+      print(f"sweep {form} rows {blocks.rows} warps {blocks.fwd.num_warps} dz row blocks "
+            f"{blocks.dz_row_blocks}: fwd {tf:.3f} ms, fwd+bwd {tb:.3f} ms", flush=True)
   n = B * T * H * K
   bytes_fwd, bytes_bwd = n * (2 + 2), n * (2 + 2 + 2)
   floor = "" if args.smoke else copy_floor_note(bytes_fwd, bytes_fwd + bytes_bwd)
@@ -88,15 +91,16 @@ def main():
   lines = [*provenance(jax.devices()[0].device_kind),
            f"B={B} T={T} H={H} K={K} (one of the KDA layer's q/k/v branches in `experiments/h200.py`), "
            f"W=4, bf16 in and out, packed documents (mean length 2048); ours at the default blocks "
-           f"({d.rows} rows, {d.cols} columns or one head, {d.fwd.num_warps}/{d.dz.num_warps}/"
-           f"{d.dx.num_warps} warps).{floor}", "",
+           f"({d.rows} rows, {d.cols} columns or one head, {d.dz_row_blocks} row blocks per dz program, "
+           f"{d.fwd.num_warps}/{d.dz.num_warps}/{d.dx.num_warps} warps).{floor}", "",
            *fwd_bwd_table(rows, "rel err y / dx / dw vs float32 XLA")]
   for form in ("q, k (normalised)", "v"):
     r = [times[form, "xla"][i] / times[form, ours][i] for i in range(2)]
     lines += ["", f"{form}: XLA time / ours: forward {r[0]:.2f}x, forward + backward {r[1]:.2f}x."]
   if sweep:
     lines += ["", "Row blocks and warps (all three kernels alike):", "",
-              "| form | rows | warps | fwd ms | fwd+bwd ms |", "|---|---|---|---|---|", *sweep]
+              "| form | rows | warps | dz row blocks | fwd ms | fwd+bwd ms |", "|---|---|---|---|---|---|",
+              *sweep]
   publish(args.out, SECTION, lines)
 
 

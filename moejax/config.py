@@ -65,10 +65,10 @@ def base_config() -> ml_collections.ConfigDict:
   # the conv history carry over between passes, each rematerialised; must divide T. For very long rows.
   k.seq_chunk = 0
   k.implementation = ml_collections.FieldReference(None, field_type=str)
-  # The short convolution + SiLU (pallas_kernels.short_conv): "xla", or its Pallas kernels ("pallas" on
-  # GPU, "interpret"). XLA by default: on the H200 step both took about 38 ms per step for the KDA
-  # layers' projections and convolutions, and alone the XLA path is faster (BENCHMARKS.md).
-  k.conv_implementation = "xla"
+  # The short convolution + SiLU, with q and k's l2 norm (pallas_kernels.short_conv): None picks its
+  # Pallas kernels on GPU and XLA elsewhere; or "xla", "pallas", "interpret". On the H200 step the
+  # kernels took the KDA layers' projections and convolutions from 30.1 to 23.8 ms (BENCHMARKS.md).
+  k.conv_implementation = ml_collections.FieldReference(None, field_type=str)
 
   a = m.mla = ml_collections.ConfigDict()
   a.num_heads = 4
@@ -238,8 +238,12 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(why is None, f"model.kda (chunk_size={k.chunk_size}, head dims {k.head_k_dim}/{k.head_v_dim}, "
                       f"implementation {k.implementation!r}): {why}; set model.kda.implementation='xla' for "
                       "other shapes")
-  need(k.conv_implementation in CONV_IMPLEMENTATIONS,
-       f"model.kda.conv_implementation={k.conv_implementation!r} not in {CONV_IMPLEMENTATIONS}")
+  need(k.conv_implementation is None or k.conv_implementation in CONV_IMPLEMENTATIONS,
+       f"model.kda.conv_implementation={k.conv_implementation!r} not in {CONV_IMPLEMENTATIONS} or None")
+  if k.conv_implementation != "xla":  # None: the Pallas kernels on GPU, which normalise q and k per head
+    need(k.head_k_dim & (k.head_k_dim - 1) == 0,
+         f"model.kda.head_k_dim={k.head_k_dim}: the Pallas short-convolution kernels normalise q and k over "
+         f"power-of-two heads; set model.kda.conv_implementation='xla' for other widths")
   need(k.conv_size >= 1, "model.kda.conv_size must be >= 1")
   need(isinstance(k.seq_chunk, int) and k.seq_chunk >= 0 and k.seq_chunk % k.chunk_size == 0
        and (k.seq_chunk == 0 or k.seq_chunk >= k.conv_size),

@@ -41,14 +41,16 @@ def segments(rng, B, T):
   return jnp.asarray(np.stack([np.cumsum(rng.random(T) < 0.15) for _ in range(B)]), jnp.int32)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**16), T=st.integers(1, 70),
        channels=st.sampled_from([(24,), (2, 16), (3, 5), (40,), (3, 32)]), W=st.sampled_from([2, 4]),
-       packed=st.booleans(), normalize=st.booleans())
-def test_interpret_matches_xla_reference(seed, T, channels, W, packed, normalize):
+       packed=st.booleans(), normalize=st.booleans(), row_blocks=st.sampled_from([1, 2, 8]))
+def test_interpret_matches_xla_reference(seed, T, channels, W, packed, normalize, row_blocks):
   """float32: rows not a multiple of the row block (masked), channel counts not a multiple of the
   column block (masked), one or several channel axes, documents of a few tokens (and taps of length 1),
-  each head l2-normalised or not (the kernels take one power-of-two head per column block)."""
+  each head l2-normalised or not (the kernels take one power-of-two head per column block), dz
+  programs of one or several row blocks (dw summed over them), the last one cut short by T."""
+  blocks = Blocks(rows=16, cols=16, dz_row_blocks=row_blocks)
   eps = 1e-6 if normalize and channels[-1] in (16, 32) else None
   rng = np.random.default_rng(seed)
   B = 2
@@ -56,7 +58,7 @@ def test_interpret_matches_xla_reference(seed, T, channels, W, packed, normalize
   w = jnp.asarray(rng.standard_normal((W, *channels)), jnp.float32)
   dy = jnp.asarray(rng.standard_normal((B, T, *channels)), jnp.float32)
   doc = segments(rng, B, T) if packed else None
-  got = jax.jit(lambda *a: fwd_and_grads("interpret", *a, eps=eps))(x, w, doc, dy)
+  got = jax.jit(lambda *a: fwd_and_grads("interpret", *a, blocks=blocks, eps=eps))(x, w, doc, dy)
   want = jax.jit(lambda *a: fwd_and_grads("autodiff", *a, eps=eps))(x, w, doc, dy)
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -134,6 +136,8 @@ def test_bad_inputs_raise():
     conv_silu(x, w, implementation="pallas")
   with pytest.raises(ValueError, match="power of two"):
     Blocks(rows=24)
+  with pytest.raises(ValueError, match="dz_row_blocks"):
+    Blocks(dz_row_blocks=0)
   with pytest.raises(ValueError, match="normalize_eps"):
     conv_silu(x, w, implementation="xla", normalize_eps=0.0)
   with pytest.raises(ValueError, match="power-of-two last axis"):

@@ -122,42 +122,51 @@ def forward(x, w, doc, *, block_t: int, block_c: int, out_dtype, normalize_eps: 
                 name="short_conv_silu_fwd")(*args)
 
 
-def backward_dz(x, w, doc, dout, *, block_t: int, block_c: int, normalize_eps: float | None,
-                interpret: bool, tuning: Tuning):
-  """(dz [B, T, C] in x's dtype, dw partial sums [B, row blocks, W, C] float32) for the cotangent dout
-  of forward's output (in forward's out_dtype)."""
+def backward_dz(x, w, doc, dout, *, block_t: int, block_c: int, row_blocks: int,
+                normalize_eps: float | None, interpret: bool, tuning: Tuning):
+  """(dz [B, T, C] in x's dtype, dw partial sums [B, programs along T, W, C] float32) for the cotangent
+  dout of forward's output (in forward's out_dtype). A program covers `row_blocks` row blocks in turn
+  and sums dw's products over them element-wise, so its threads reduce across rows once, at the end."""
   B, T, C = x.shape
   W = w.shape[0]
+  span = block_t * row_blocks
 
   def kernel(*refs):
     (x_ref, w_ref, doc_ref, dout_ref), (dz_ref, dw_ref) = _unpack(refs, 2, doc is not None)
-    i = pl.program_id(0)
-    tile = _Tile(pl.program_id(2), i * block_t, block_t, pl.program_id(1) * block_c, block_c, T, C)
-    z = _conv(tile, x_ref, w_ref, doc_ref, W)
-    rows, ok = tile.rows(0)
-    dy = jnp.where(ok[:, None], tile.load(dout_ref, rows), 0.0)
-    if normalize_eps is not None:
-      # out = y r with r = (|y|^2 + eps)^(-1/2):  dy = r dout - r^3 y (y . dout).
-      y = (z * jax.nn.sigmoid(z)).astype(dout_ref.dtype).astype(_F32)
-      r = jax.lax.rsqrt(jnp.sum(y * y, axis=1, keepdims=True) + normalize_eps)
-      dy = r * dy - (r * r * r) * y * jnp.sum(y * dy, axis=1, keepdims=True)
-    # Zero rows past T: their z came from clamped rows, and a non-finite one must not reach dw.
-    dz = jnp.where(ok[:, None], dy * silu_grad(z), 0.0).astype(dz_ref.dtype)
-    tile.store(dz_ref, dz)
-    dz = dz.astype(_F32)
+    i, b, c0 = pl.program_id(0), pl.program_id(2), pl.program_id(1) * block_c
+
+    def one_block(s, acc):
+      tile = _Tile(b, i * span + s * block_t, block_t, c0, block_c, T, C)
+      z = _conv(tile, x_ref, w_ref, doc_ref, W)
+      rows, ok = tile.rows(0)
+      dy = jnp.where(ok[:, None], tile.load(dout_ref, rows), 0.0)
+      if normalize_eps is not None:
+        # out = y r with r = (|y|^2 + eps)^(-1/2):  dy = r dout - r^3 y (y . dout).
+        y = (z * jax.nn.sigmoid(z)).astype(dout_ref.dtype).astype(_F32)
+        r = jax.lax.rsqrt(jnp.sum(y * y, axis=1, keepdims=True) + normalize_eps)
+        dy = r * dy - (r * r * r) * y * jnp.sum(y * dy, axis=1, keepdims=True)
+      # Zero rows past T: their z came from clamped rows, and a non-finite one must not reach dw.
+      dz = jnp.where(ok[:, None], dy * silu_grad(z), 0.0).astype(dz_ref.dtype)
+      tile.store(dz_ref, dz)
+      dz = dz.astype(_F32)
+      return tuple(a + _tap(tile, x_ref, doc_ref, lag) * dz for lag, a in enumerate(acc))
+
+    zeros = jnp.zeros((block_t, block_c), _F32)
+    acc = jax.lax.fori_loop(0, row_blocks, one_block, (zeros,) * W)
+    tile = _Tile(b, i * span, block_t, c0, block_c, T, C)
     for lag in range(W):
-      part = jnp.sum(_tap(tile, x_ref, doc_ref, lag) * dz, axis=0)
+      part = jnp.sum(acc[lag], axis=0)
       if tile.col_ok is None:
-        dw_ref[tile.b, i, W - 1 - lag, tile.cols] = part
+        dw_ref[b, i, W - 1 - lag, tile.cols] = part
       else:
         # (An array index: interpret mode's masked store takes no Python int.)
         tap = jnp.asarray(W - 1 - lag, jnp.int32)
-        pltriton.store(dw_ref.at[tile.b, i, tap, tile.cols], part, mask=tile.col_ok)
+        pltriton.store(dw_ref.at[b, i, tap, tile.cols], part, mask=tile.col_ok)
 
   args = (x, w, dout) if doc is None else (x, w, doc, dout)
   out_shape = (jax.ShapeDtypeStruct((B, T, C), x.dtype),
-               jax.ShapeDtypeStruct((B, pl.cdiv(T, block_t), W, C), _F32))
-  return launch(kernel, grid=_grid(B, T, C, block_t, block_c), out_shape=out_shape, interpret=interpret,
+               jax.ShapeDtypeStruct((B, pl.cdiv(T, span), W, C), _F32))
+  return launch(kernel, grid=_grid(B, T, C, span, block_c), out_shape=out_shape, interpret=interpret,
                 tuning=tuning, name="short_conv_silu_dz")(*args)
 
 

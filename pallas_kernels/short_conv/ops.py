@@ -29,15 +29,20 @@ IMPLEMENTATIONS = ("pallas", "interpret", "xla")
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-  """Rows and columns per program (powers of two >= 16) and the three kernels' launch settings. A
-  normalised output takes one group of channels (the input's last axis) per column block instead."""
-  rows: int = 32
+  """Rows and columns per block (powers of two >= 16), row blocks per program of the backward pass's
+  dz kernel, and the three kernels' launch settings. A normalised output takes one group of channels
+  (the input's last axis) per column block instead of `cols`."""
+  rows: int = 16
   cols: int = 128
+  dz_row_blocks: int = 8
   fwd: Tuning = Tuning(num_warps=4, num_stages=1)
   dz: Tuning = Tuning(num_warps=4, num_stages=1)
   dx: Tuning = Tuning(num_warps=4, num_stages=1)
 
   def __post_init__(self):
+    n = self.dz_row_blocks
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      raise ValueError(f"Blocks.dz_row_blocks must be a positive int, got {self.dz_row_blocks!r}")
     for name in ("rows", "cols"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
@@ -108,7 +113,8 @@ def _conv_silu_fwd(st, x, w, doc):
 
 def _conv_silu_bwd(st, res, dout):
   x, w, doc = res
-  dz, dw_parts = kernel.backward_dz(x, w, doc, dout, normalize_eps=st.normalize_eps, **st.kw(st.blocks.dz))
+  dz, dw_parts = kernel.backward_dz(x, w, doc, dout, normalize_eps=st.normalize_eps,
+                                    row_blocks=st.blocks.dz_row_blocks, **st.kw(st.blocks.dz))
   dx = kernel.backward_dx(dz, w, doc, **st.kw(st.blocks.dx))
   return dx, jnp.sum(dw_parts, axis=(0, 1)).astype(w.dtype), None
 
