@@ -31,10 +31,12 @@ IMPLEMENTATIONS = ("pallas", "interpret", "xla")
 class Blocks:
   """Rows and columns per block (powers of two >= 16), row blocks per program of the backward pass's
   dz kernel, and the three kernels' launch settings. A normalised output takes one group of channels
-  (the input's last axis) per column block instead of `cols`."""
+  (the input's last axis) per column block instead of `cols`. The defaults: 16 rows, 4 warps and one
+  row block per dz program timed fastest of the settings swept on the H200 at the KDA layer's shape
+  (BENCHMARKS.md, "Short convolution"); several row blocks per dz program are not yet timed there."""
   rows: int = 16
   cols: int = 128
-  dz_row_blocks: int = 8
+  dz_row_blocks: int = 1
   fwd: Tuning = Tuning(num_warps=4, num_stages=1)
   dz: Tuning = Tuning(num_warps=4, num_stages=1)
   dx: Tuning = Tuning(num_warps=4, num_stages=1)
