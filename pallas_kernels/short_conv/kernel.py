@@ -98,6 +98,17 @@ def _unpack(refs, n_out: int, has_doc: bool):
   return ins, outs
 
 
+def _operands(first, w, doc, *rest):
+  """The kernel's operands, the document ids left out when there are none."""
+  return (first, w, *rest) if doc is None else (first, w, doc, *rest)
+
+
+def _own_tile(block_t: int, block_c: int, T: int, C: int) -> _Tile:
+  """The tile of this program of a grid over (row blocks, column blocks, batch rows)."""
+  return _Tile(pl.program_id(2), pl.program_id(0) * block_t, block_t, pl.program_id(1) * block_c, block_c,
+               T, C)
+
+
 def forward(x, w, doc, *, block_t: int, block_c: int, out_dtype, normalize_eps: float | None,
             interpret: bool, tuning: Tuning):
   """silu(conv) [B, T, C] in out_dtype (l2-normalised over each column block when normalize_eps is
@@ -107,8 +118,7 @@ def forward(x, w, doc, *, block_t: int, block_c: int, out_dtype, normalize_eps: 
 
   def kernel(*refs):
     (x_ref, w_ref, doc_ref), (y_ref,) = _unpack(refs, 1, doc is not None)
-    tile = _Tile(pl.program_id(2), pl.program_id(0) * block_t, block_t, pl.program_id(1) * block_c,
-                 block_c, T, C)
+    tile = _own_tile(block_t, block_c, T, C)
     z = _conv(tile, x_ref, w_ref, doc_ref, W)
     y = z * jax.nn.sigmoid(z)
     if normalize_eps is not None:
@@ -116,10 +126,9 @@ def forward(x, w, doc, *, block_t: int, block_c: int, out_dtype, normalize_eps: 
       y = y * jax.lax.rsqrt(jnp.sum(y * y, axis=1, keepdims=True) + normalize_eps)
     tile.store(y_ref, y)
 
-  args = (x, w) if doc is None else (x, w, doc)
   return launch(kernel, grid=_grid(B, T, C, block_t, block_c),
                 out_shape=jax.ShapeDtypeStruct((B, T, C), out_dtype), interpret=interpret, tuning=tuning,
-                name="short_conv_silu_fwd")(*args)
+                name="short_conv_silu_fwd")(*_operands(x, w, doc))
 
 
 def backward_dz(x, w, doc, dout, *, block_t: int, block_c: int, row_blocks: int,
@@ -163,11 +172,10 @@ def backward_dz(x, w, doc, dout, *, block_t: int, block_c: int, row_blocks: int,
         tap = jnp.asarray(W - 1 - lag, jnp.int32)
         pltriton.store(dw_ref.at[b, i, tap, tile.cols], part, mask=tile.col_ok)
 
-  args = (x, w, dout) if doc is None else (x, w, doc, dout)
   out_shape = (jax.ShapeDtypeStruct((B, T, C), x.dtype),
                jax.ShapeDtypeStruct((B, pl.cdiv(T, span), W, C), _F32))
   return launch(kernel, grid=_grid(B, T, C, span, block_c), out_shape=out_shape, interpret=interpret,
-                tuning=tuning, name="short_conv_silu_dz")(*args)
+                tuning=tuning, name="short_conv_silu_dz")(*_operands(x, w, doc, dout))
 
 
 def backward_dx(dz, w, doc, *, block_t: int, block_c: int, interpret: bool, tuning: Tuning):
@@ -177,15 +185,13 @@ def backward_dx(dz, w, doc, *, block_t: int, block_c: int, interpret: bool, tuni
 
   def kernel(*refs):
     (dz_ref, w_ref, doc_ref), (dx_ref,) = _unpack(refs, 1, doc is not None)
-    tile = _Tile(pl.program_id(2), pl.program_id(0) * block_t, block_t, pl.program_id(1) * block_c,
-                 block_c, T, C)
+    tile = _own_tile(block_t, block_c, T, C)
     dx = jnp.zeros((block_t, block_c), _F32)
     for m in range(W):  # row t feeds row t + m through tap w[W-1-m]
       fed = jnp.where(tile.same_doc(doc_ref, m)[:, None], tile.load(dz_ref, tile.rows(m)[0]), 0.0)
       dx = dx + fed * tile.tap_weight(w_ref, W - 1 - m)
     tile.store(dx_ref, dx)
 
-  args = (dz, w) if doc is None else (dz, w, doc)
   return launch(kernel, grid=_grid(B, T, C, block_t, block_c),
                 out_shape=jax.ShapeDtypeStruct((B, T, C), dz.dtype), interpret=interpret, tuning=tuning,
-                name="short_conv_silu_dx")(*args)
+                name="short_conv_silu_dx")(*_operands(dz, w, doc))
