@@ -10,7 +10,7 @@ component, and one step at T=1M with rematerialisation.
   python benchmarks/step.py --smoke                                    # tiny shapes, any machine
 
 The step runs on a data x expert mesh (default: `expert` over every device, so one GPU is a mesh
-of one); the state is placed by `moejax.train_step.shard_state` and the MoE layers exchange tokens
+of one); the state is placed by `moejax.train_step.state_shardings` and the MoE layers exchange tokens
 by all-to-all over `expert`.
 
 Batches are synthetic: uniform random tokens packed into documents of random length (mean
@@ -30,6 +30,7 @@ is its own.
 """
 
 import argparse
+import concurrent.futures
 import contextlib
 import datetime
 import json
@@ -60,11 +61,11 @@ from moejax.layers.kda import KDA  # noqa: E402
 from moejax.layers.mla import GatedMLA  # noqa: E402
 from moejax.layers.moe import MoE  # noqa: E402
 from moejax.loss import cross_entropy  # noqa: E402
-from moejax.model import SCANNED, build_model, layer_kinds  # noqa: E402
+from moejax.model import SCANNED, build_model, init_variables, layer_kinds  # noqa: E402
 from moejax.muon import NS_STEPS, matrix_sizes  # noqa: E402
-from moejax.optim import muon_dimension_numbers  # noqa: E402
+from moejax.optim import make_optimizer, muon_dimension_numbers  # noqa: E402
 from moejax.parallel import mesh as meshlib  # noqa: E402
-from moejax.train_step import init_state, jit_train_step, shard_state  # noqa: E402
+from moejax.train_step import init_state, jit_train_step, logical_axes, state_shardings  # noqa: E402
 
 SECTION = "Training step"
 LONG_SECTION = "Training step at 1M tokens"
@@ -204,33 +205,50 @@ def init_on_host(model, config, why: str = ""):
   return out
 
 
+def abstract_state(model, config):
+  """(the state's shapes, optimizer, logical axes) by tracing alone: what compiling the step needs."""
+  key, n = jax.random.key(0), total_steps(config)
+  shapes = jax.eval_shape(lambda r: init_state(model, config, r, n)[0], key)
+  axes = logical_axes(jax.eval_shape(lambda r: init_variables(model, r), key)["params"])
+  return shapes, make_optimizer(config.optim, axes, n), axes
+
+
 def time_steps(config, batch, steps: int, mesh, warmup: int = 1, profile_dir: str | None = None) -> dict:
-  """Compiles the train step on `mesh`, runs it once (compile included) and `warmup` more times, then
-  times `steps` steps back to back; with `profile_dir`, then traces two more (benchmarks/trace_parts.py)."""
+  """Compiles the train step on `mesh`, runs it once and `warmup` more times, then times `steps` steps
+  back to back; with `profile_dir`, then traces two more (benchmarks/trace_parts.py).
+
+  The step compiles from the state's shapes while another thread initialises the state on the host:
+  one after the other they took about 35 and 70 s of each H200 call (2026-12-05)."""
   model = build_model(config)
-  state, optimizer, axes = init_on_host(model, config)
-  log("placing it on the mesh")
-  state = shard_state(state, axes, optimizer, mesh)
-  log(f"compiling the step on {'x'.join(map(str, batch['tokens'].shape))} tokens")
-  batch = jax.device_put(batch, meshlib.batch_sharding(mesh))
-  step = jit_train_step(model, optimizer, config, total_steps(config))
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    initialised = pool.submit(init_on_host, model, config)
+    shapes, optimizer, axes = abstract_state(model, config)
+    shardings = state_shardings(shapes, axes, optimizer, mesh)
+    shapes = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
+    batch = jax.device_put(batch, meshlib.batch_sharding(mesh))
+    log(f"compiling the step on {'x'.join(map(str, batch['tokens'].shape))} tokens")
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+      step = jit_train_step(model, optimizer, config, total_steps(config)).lower(shapes, batch).compile()
+    compile_s = time.perf_counter() - t0
+    # XLA's own plan, known before anything runs: what a step that fails for memory asked for.
+    memory = step.memory_analysis()
+    if memory is not None:
+      gib = lambda n: f"{n / 2**30:.1f} GiB"
+      log(f"compiled in {compile_s:.0f} s; XLA's buffers: temporaries "
+          f"{gib(memory.temp_size_in_bytes)}, arguments {gib(memory.argument_size_in_bytes)}")
+    state = initialised.result()[0]
+  log("placing the state on the mesh")
+  state = jax.device_put(state, shardings)
   with jax.set_mesh(mesh):
-    return {**_time_steps(step, state, batch, steps, optimizer, warmup, profile_dir), "axes": axes}
+    return {**_time_steps(step, state, batch, steps, optimizer, warmup, profile_dir),
+            "compile_s": compile_s, "axes": axes}
 
 
 def _time_steps(step, state, batch, steps, optimizer, warmup: int, profile_dir: str | None) -> dict:
-  t0 = time.perf_counter()
-  step = step.lower(state, batch).compile()
-  # XLA's own plan, known before anything runs: what a step that fails for memory asked for.
-  memory = step.memory_analysis()
-  if memory is not None:
-    gib = lambda n: f"{n / 2**30:.1f} GiB"
-    log(f"compiled in {time.perf_counter() - t0:.0f} s; XLA's buffers: temporaries "
-        f"{gib(memory.temp_size_in_bytes)}, arguments {gib(memory.argument_size_in_bytes)}")
   state, metrics = step(state, batch)
   jax.block_until_ready(metrics)
-  compile_s = time.perf_counter() - t0
-  log(f"first step (compile included) {compile_s:.0f} s, loss {float(metrics['loss']):.3f}")
+  log(f"first step, loss {float(metrics['loss']):.3f}")
   for _ in range(warmup):
     state, metrics = step(state, batch)
   jax.block_until_ready(metrics)
@@ -255,7 +273,7 @@ def _time_steps(step, state, batch, steps, optimizer, warmup: int, profile_dir: 
       f.write("\n".join(trace_parts.fusion_bodies(hlo_text, rows, FUSION_MIN_MS)) + "\n")
     log(f"every op's time: {ops_path}; what XLA fused into those of {FUSION_MIN_MS} ms or more: "
         f"{fusions_path}")
-  return {"step_s": seconds, "compile_s": compile_s, "loss": loss, "params": state.params,
+  return {"step_s": seconds, "loss": loss, "params": state.params,
           "dropped": float(metrics.get("moe/dropped", 0.0)), "optimizer": optimizer, "state": state,
           "profile": profile}
 

@@ -65,9 +65,14 @@ def init_state(model: Transformer, config, rng: jax.Array, total_steps: int):
 
 
 def shard_state(state: TrainState, axes, optimizer, mesh) -> TrainState:
-  """`state` placed on `mesh`: params split by their logical axes (moejax.parallel.mesh rules), the
-  optimizer state as XLA propagates it from them through `optimizer.init` (moments follow their
-  parameter), everything else replicated. Run the step under `jax.set_mesh(mesh)`."""
+  """`state` placed on `mesh` by `state_shardings`. Run the step under `jax.set_mesh(mesh)`."""
+  return jax.device_put(state, state_shardings(state, axes, optimizer, mesh))
+
+
+def state_shardings(state: TrainState, axes, optimizer, mesh) -> TrainState:
+  """Where each leaf of `state` (arrays or their shapes) goes on `mesh`: params split by their logical
+  axes (moejax.parallel.mesh rules), the optimizer state as XLA propagates it from them through
+  `optimizer.init` (moments follow their parameter), everything else replicated."""
   params = jax.tree.map(lambda names, p: meshlib.named_sharding(names, p.shape, mesh), axes, state.params,
                         is_leaf=is_logical_axes)
   abstract = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
@@ -75,10 +80,9 @@ def shard_state(state: TrainState, axes, optimizer, mesh) -> TrainState:
   with jax.set_mesh(mesh):
     opt_state = jax.jit(optimizer.init).lower(abstract).compile().output_shardings
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  shardings = state.replace(params=params, opt_state=opt_state,
-                            balance=jax.tree.map(lambda _: replicated, state.balance),
-                            step=replicated, rng=replicated, bad_steps=replicated)
-  return jax.device_put(state, shardings)
+  return state.replace(params=params, opt_state=opt_state,
+                       balance=jax.tree.map(lambda _: replicated, state.balance),
+                       step=replicated, rng=replicated, bad_steps=replicated)
 
 
 def _sum_leaves(tree, name):
