@@ -61,11 +61,11 @@ from moejax.layers.kda import KDA  # noqa: E402
 from moejax.layers.mla import GatedMLA  # noqa: E402
 from moejax.layers.moe import MoE  # noqa: E402
 from moejax.loss import cross_entropy  # noqa: E402
-from moejax.model import SCANNED, build_model, init_variables, layer_kinds  # noqa: E402
+from moejax.model import SCANNED, build_model, layer_kinds  # noqa: E402
 from moejax.muon import NS_STEPS, matrix_sizes  # noqa: E402
-from moejax.optim import make_optimizer, muon_dimension_numbers  # noqa: E402
+from moejax.optim import muon_dimension_numbers  # noqa: E402
 from moejax.parallel import mesh as meshlib  # noqa: E402
-from moejax.train_step import init_state, jit_train_step, logical_axes, state_shardings  # noqa: E402
+from moejax.train_step import init_state, jit_train_step, state_shardings  # noqa: E402
 
 SECTION = "Training step"
 LONG_SECTION = "Training step at 1M tokens"
@@ -206,11 +206,16 @@ def init_on_host(model, config, why: str = ""):
 
 
 def abstract_state(model, config):
-  """(the state's shapes, optimizer, logical axes) by tracing alone: what compiling the step needs."""
-  key, n = jax.random.key(0), total_steps(config)
-  shapes = jax.eval_shape(lambda r: init_state(model, config, r, n)[0], key)
-  axes = logical_axes(jax.eval_shape(lambda r: init_variables(model, r), key)["params"])
-  return shapes, make_optimizer(config.optim, axes, n), axes
+  """(the state's shapes, optimizer, logical axes) by tracing init_state alone: what compiling the step
+  needs. The optimizer and axes are not arrays, so they leave the trace by the closure."""
+  made = {}
+
+  def state_only(rng):
+    state, made["optimizer"], made["axes"] = init_state(model, config, rng, total_steps(config))
+    return state
+
+  shapes = jax.eval_shape(state_only, jax.random.key(0))
+  return shapes, made["optimizer"], made["axes"]
 
 
 def time_steps(config, batch, steps: int, mesh, warmup: int = 1, profile_dir: str | None = None) -> dict:

@@ -84,7 +84,7 @@ def conv_silu(x_BTC, w_WC, doc_BT=None, *, implementation: str | None = None, ou
       raise ValueError(f"conv_silu: the Pallas kernels normalise a power-of-two last axis, got shape "
                        f"{tuple(x_BTC.shape)}; use implementation='xla'")
   doc = None if doc_BT is None else doc_BT.astype(jnp.int32)
-  st = _Static(block_t=blocks.rows, block_c=bc, out_dtype=out_dtype, normalize_eps=normalize_eps,
+  st = _Static(block_c=bc, out_dtype=out_dtype, normalize_eps=normalize_eps,
                blocks=blocks, interpret=implementation == "interpret")
   y = _conv_silu(st, x_BTC.reshape(B, T, C), w_WC.reshape(W, C), doc)
   return y.reshape(x_BTC.shape)
@@ -92,7 +92,6 @@ def conv_silu(x_BTC, w_WC, doc_BT=None, *, implementation: str | None = None, ou
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-  block_t: int
   block_c: int
   out_dtype: jnp.dtype
   normalize_eps: float | None
@@ -100,7 +99,7 @@ class _Static:
   interpret: bool
 
   def kw(self, tuning: Tuning):
-    return dict(block_t=self.block_t, block_c=self.block_c, interpret=self.interpret, tuning=tuning)
+    return dict(block_t=self.blocks.rows, block_c=self.block_c, interpret=self.interpret, tuning=tuning)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
