@@ -297,9 +297,10 @@ PIECE_SEG = np.array([[0] * 10 + [1] * 6 + [2] * 20 + [3] * 12,
                       [4] * 31 + [1] * 2 + [4] * 15], np.int32)
 
 
-@pytest.mark.parametrize("implementation, seg", [
-    ("xla", PIECE_SEG), ("xla", None), ("xla", "random"), ("interpret", PIECE_SEG)])
-def test_layer_in_pieces_equals_whole_row(implementation, seg):
+@pytest.mark.parametrize("implementation, seg, conv_size", [
+    ("xla", PIECE_SEG, 4), ("xla", None, 4), ("xla", "random", 4), ("interpret", PIECE_SEG, 4),
+    ("xla", PIECE_SEG, 1)])  # conv_size 1: no conv history to carry, only the state and the document
+def test_layer_in_pieces_equals_whole_row(implementation, seg, conv_size):
   """seq_chunk: the state, the conv history and the document boundaries carry across pieces, so the
   output, the sown gate and every gradient equal the whole-row layer's."""
   rng = np.random.default_rng(7)
@@ -308,15 +309,16 @@ def test_layer_in_pieces_equals_whole_row(implementation, seg):
     seg = np.cumsum(rng.random((B, 48)) < 0.15, axis=1).astype(np.int32)
   seg = None if seg is None else jnp.asarray(seg)
   r = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+  params = PARAMS if conv_size == 4 else random_params(KDA(make_cfg(conv_size=conv_size)), X, 1)
 
   def run(seq_chunk):
-    layer = KDA(make_cfg(implementation=implementation, seq_chunk=seq_chunk))
+    layer = KDA(make_cfg(implementation=implementation, seq_chunk=seq_chunk, conv_size=conv_size))
 
     def loss(p, x):
       y, inter = layer.apply({"params": p}, x, seg, mutable=["intermediates"])
       return jnp.sum(y * r), (y, inter["intermediates"]["g"][0])
 
-    return jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(PARAMS, x)
+    return jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(params, x)
 
   (_, (y_whole, g_whole)), grads_whole = run(0)
   (_, (y_pieces, g_pieces)), grads_pieces = run(16)

@@ -107,21 +107,24 @@ def test_bfloat16_and_default_blocks(eps):
 
 @pytest.mark.parametrize("eps", [None, 1e-6])
 @pytest.mark.parametrize("impl", ["interpret", "xla"])
-def test_documents_do_not_mix(impl, eps):
-  """NaN in every input of the first document: nothing of it reaches the second one's outputs or
-  gradients (a tap that crossed the boundary, forward or backward, would carry it; so would a mask
-  applied as a product, NaN * 0)."""
+@pytest.mark.parametrize("poisoned", ["first", "second"])
+def test_documents_do_not_mix(impl, eps, poisoned):
+  """NaN in every input of one document: nothing of it reaches the other one's outputs or gradients.
+  The forward taps reach back, so a NaN first document tests them; the backward's transposed taps
+  reach forward, so a NaN second document tests those. A tap that crossed the boundary would carry
+  the NaN, and so would a mask applied as a product (NaN * 0)."""
   rng = np.random.default_rng(1)
-  x = jnp.asarray(rng.standard_normal((1, 40, 16)), jnp.float32).at[:, :20].set(jnp.nan)
-  dy = jnp.asarray(rng.standard_normal((1, 40, 16)), jnp.float32).at[:, :20].set(jnp.nan)
+  bad, good = (slice(0, 20), slice(20, 40)) if poisoned == "first" else (slice(20, 40), slice(0, 20))
+  x = jnp.asarray(rng.standard_normal((1, 40, 16)), jnp.float32).at[:, bad].set(jnp.nan)
+  dy = jnp.asarray(rng.standard_normal((1, 40, 16)), jnp.float32).at[:, bad].set(jnp.nan)
   w = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
   doc = jnp.asarray([[0] * 20 + [1] * 20], jnp.int32)
   y, vjp = jax.vjp(lambda x: conv_silu(x, w, doc, implementation=impl, blocks=SMALL, normalize_eps=eps), x)
   (dx,) = vjp(dy)
   want_y, want_vjp = jax.vjp(lambda x: conv_silu(x, w, None, implementation="xla", normalize_eps=eps),
-                             x[:, 20:])
-  np.testing.assert_allclose(y[:, 20:], want_y, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(dx[:, 20:], want_vjp(dy[:, 20:])[0], rtol=1e-5, atol=1e-6)
+                             x[:, good])
+  np.testing.assert_allclose(y[:, good], want_y, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(dx[:, good], want_vjp(dy[:, good])[0], rtol=1e-5, atol=1e-6)
 
 
 def test_bad_inputs_raise():

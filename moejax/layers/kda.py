@@ -51,17 +51,19 @@ conv_init = nn.initializers.variance_scaling(1.0, "fan_in", "uniform", in_axis=0
 
 class KDACarry(NamedTuple):
   """What one pass over a piece of the row hands the next (`KDA.seq_chunk`): the recurrent state, the
-  last conv_size - 1 pre-convolution q/k/v projections (the short convolution's history), and their
-  document ids."""
+  last conv_size - 1 pre-convolution q/k/v projections (the short convolution's history), their
+  document ids, and the document id of the piece's last position (kept apart: with conv_size 1 there
+  is no history)."""
   state_BHKV: jax.Array  # float32
   tails: dict  # {"q", "k", "v"}: [B, W-1, H, K or V]
   tail_doc_BW: jax.Array  # int32 [B, W-1]; -1 before the row starts
+  last_doc_B: jax.Array  # int32 [B]; -1 before the row starts
 
   @classmethod
   def empty(cls, B, H, K, V, W, dtype):
     tail = lambda width: jnp.zeros((B, W - 1, H, width), dtype)
     return cls(jnp.zeros((B, H, K, V), jnp.float32), {"q": tail(K), "k": tail(K), "v": tail(V)},
-               jnp.full((B, W - 1), -1, jnp.int32))
+               jnp.full((B, W - 1), -1, jnp.int32), jnp.full((B,), -1, jnp.int32))
 
 
 class KDA(nn.Module):
@@ -187,7 +189,7 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
   state_in = None
   if carry is not None:
     # The state carries over only while the previous piece's last document goes on.
-    same_B = doc_BT[:, 0] == carry.tail_doc_BW[:, -1]
+    same_B = doc_BT[:, 0] == carry.last_doc_B
     state_in = jnp.where(same_B[:, None, None, None], carry.state_BHKV, 0.0)
   with jax.named_scope("chunk_kda"):
     o_BTHV, state_out = chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale=K ** -0.5,
@@ -203,5 +205,6 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
     y_BTD = matmul("bthv,hvd->btd", (o_BTHV * gate_BTHV).astype(dtype), p["w_o"], dtype)
   if carry is None:
     return y_BTD, g_BTHK, None
-  new = KDACarry(state_out, {"q": q_tail, "k": k_tail, "v": v_tail}, doc_ext[:, doc_ext.shape[1] - w:])
+  new = KDACarry(state_out, {"q": q_tail, "k": k_tail, "v": v_tail}, doc_ext[:, doc_ext.shape[1] - w:],
+                 doc_BT[:, -1])
   return y_BTD, g_BTHK, new
