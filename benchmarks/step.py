@@ -228,13 +228,14 @@ def time_steps(config, batch, steps: int, mesh, warmup: int = 1, profile_dir: st
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     initialised = pool.submit(init_on_host, model, config)
     shapes, optimizer, axes = abstract_state(model, config)
-    shardings = state_shardings(shapes, axes, optimizer, mesh)
+    shardings = state_shardings(shapes, axes, mesh)
     shapes = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
     batch = jax.device_put(batch, meshlib.batch_sharding(mesh))
     log(f"compiling the step on {'x'.join(map(str, batch['tokens'].shape))} tokens")
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
-      step = jit_train_step(model, optimizer, config, total_steps(config)).lower(shapes, batch).compile()
+      step = jit_train_step(model, optimizer, config, total_steps(config), shardings).lower(shapes, batch)
+      step = step.compile()
     compile_s = time.perf_counter() - t0
     # XLA's own plan, known before anything runs: what a step that fails for memory asked for.
     memory = step.memory_analysis()
@@ -533,7 +534,9 @@ def main():
   # Read when the backend starts, below (and by the 1M child, which runs this too). XLA autotunes each
   # dot fusion over dozens of its own Triton GEMM variants, compiling each. With it on, the H200 step
   # had not finished compiling after 225 s (how much of that was this autotuning is not measured);
-  # cuBLAS takes the dense matmuls instead.
+  # cuBLAS takes the dense matmuls instead. experiments/h200.py asks the same for its train step
+  # (train.xla_triton_gemm), so that `python -m moejax.train` compiles it as this runs it; the flag here
+  # covers this script's other programs too (the matmul rate, the components).
   # A kernel launched from a CUDA graph is traced without its HLO op, so the profile runs without them.
   no_graphs = "--xla_gpu_enable_command_buffer=" if args.only == "profile" else ""
   os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), XLA_FLAGS, no_graphs])

@@ -59,6 +59,9 @@ def get_config():
 
   t = c.train
   t.stages = ((8_192, 5_000, 32_768),)
+  # cuBLAS for the dense matmuls, as every step benchmark of this config ran them: with XLA's own
+  # Triton GEMMs autotuned the step had not finished compiling after 225 s (benchmarks/step.py).
+  t.xla_triton_gemm = False
   t.log_every = 10
   t.eval_every = 250
   t.eval_batches = 2

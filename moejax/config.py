@@ -164,6 +164,15 @@ def base_config() -> ml_collections.ConfigDict:
   # and read as float32: in the H200 step about 33 GiB more traffic per step, counted statically
   # (BENCHMARKS.md, "Step HBM traffic"; not timed). Off, every cast is honoured, on the GPU as on the CPU.
   t.allow_excess_precision = False
+  # The GPU compiler's choices for the train and eval steps (no effect on other backends). True leaves
+  # XLA's default (or the XLA_FLAGS of the process). xla_triton_gemm=False hands every dense matmul to
+  # cuBLAS instead of autotuning XLA's own Triton GEMMs for each, whose compiles kept the H200 step
+  # compiling past 225 s (benchmarks/step.py). xla_dot_merger=False stops XLA from merging matmuls
+  # that share an operand (x W_a and x W_b as x [W_a | W_b]): in the H200 step the merged outputs are
+  # sliced and their gradients concatenated, 8.7 GiB of static traffic per step more than unmerged
+  # (BENCHMARKS.md, "Step HBM traffic"; not yet timed).
+  t.xla_triton_gemm = True
+  t.xla_dot_merger = True
   # Device mesh of the run (moejax.parallel.mesh): rows split over data x fsdp x expert, routed
   # experts over expert, params by their logical axes. All ones: one device.
   t.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": 1, "expert": 1, "tensor": 1})
@@ -302,15 +311,17 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   t = config.train
   need(len(t.stages) > 0, "train.stages must list at least one (seq_len, steps, tokens_per_batch)")
   for i, stage in enumerate(t.stages):
-    need(len(stage) == 3, f"train.stages[{i}]={stage!r} must be (seq_len, steps, tokens_per_batch)")
+    need(isinstance(stage, (tuple, list)) and len(stage) == 3,
+         f"train.stages[{i}]={stage!r} must be (seq_len, steps, tokens_per_batch): train.stages is a "
+         f"tuple of such triples, e.g. ((128, 30, 2048),)")
     seq_len, steps, tokens = stage
     need(seq_len >= 2 and steps >= 1 and tokens >= seq_len,
          f"train.stages[{i}]={stage!r}: need seq_len >= 2, steps >= 1, tokens_per_batch >= seq_len")
     need(tokens % seq_len == 0,
          f"train.stages[{i}]: tokens_per_batch={tokens} is not a multiple of seq_len={seq_len}")
   need(t.max_bad_steps >= 1, "train.max_bad_steps must be >= 1")
-  need(isinstance(t.allow_excess_precision, bool),
-       f"train.allow_excess_precision must be True or False, got {t.allow_excess_precision!r}")
+  for name in ("allow_excess_precision", "xla_triton_gemm", "xla_dot_merger"):
+    need(isinstance(t[name], bool), f"train.{name} must be True or False, got {t[name]!r}")
   need(set(t.mesh) == {"data", "fsdp", "expert", "tensor"},
        f"train.mesh must have exactly the axes data, fsdp, expert, tensor; got {sorted(t.mesh)}")
   need(all(isinstance(n, int) and n >= 1 for n in t.mesh.values()),

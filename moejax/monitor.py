@@ -56,6 +56,14 @@ def _drop_rows_after(path: str, step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _last_row(path: str) -> dict:
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    lines = [line for line in f if line.strip()]
+  return json.loads(lines[-1]) if lines else {}
+
+
 def worst_maxvio(row: dict) -> tuple[str, float] | None:
   """(layer, MaxVio_batch) of the most imbalanced MoE layer in a metrics row, or None."""
   layers = {k[:-len(_LAYER_MAXVIO_SUFFIX)]: v for k, v in row.items()
@@ -72,6 +80,7 @@ class Monitor:
     self.config = config
     jsonl = os.path.join(workdir, "metrics.jsonl")
     _drop_rows_after(jsonl, start_step)
+    self.last_logged = _last_row(jsonl)  # what an earlier process of the run logged last ({} if none)
     # purge_step makes TensorBoard drop the earlier events at or after it: a killed run's tail.
     self.writer = SummaryWriter(os.path.join(workdir, "tb"),
                                 purge_step=start_step + 1 if start_step else None)

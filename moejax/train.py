@@ -25,7 +25,7 @@ from moejax.data.prepare import prepare
 from moejax.model import build_model
 from moejax.monitor import Monitor, to_row
 from moejax.parallel.mesh import MESH_AXES, batch_sharding, make_mesh
-from moejax.train_step import init_state, jit_eval_step, jit_train_step, shard_state
+from moejax.train_step import init_state, jit_eval_step, jit_train_step, state_shardings
 
 log = logging.getLogger("moejax.train")
 
@@ -70,7 +70,8 @@ def run(config, workdir: str) -> dict:
 
   mesh = make_mesh(**config.train.mesh, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
   state, optimizer, axes = init_state(model, config, jax.random.key(config.train.seed), total_steps)
-  state = shard_state(state, axes, optimizer, mesh)  # a restore comes back in the same placement
+  shardings = state_shardings(state, axes, mesh)
+  state = jax.device_put(state, shardings)  # a restore comes back in the same placement
   rows = batch_sharding(mesh)
   to_device = lambda batch: jax.tree.map(lambda x: jax.make_array_from_process_local_data(rows, x), batch)
   manager = ckpt_lib.Manager(os.path.join(workdir, "checkpoints"), config.train.keep_checkpoints)
@@ -80,7 +81,7 @@ def run(config, workdir: str) -> dict:
     state, data_it = restored
     log.info("resumed from step %d", int(state.step))
 
-  train_step = jit_train_step(model, optimizer, config, total_steps)
+  train_step = jit_train_step(model, optimizer, config, total_steps, shardings)
   eval_step = jit_eval_step(model, config)
   monitor = Monitor(workdir, config, total_steps, start_step=int(state.step))
   step = int(state.step)
@@ -113,6 +114,10 @@ def run(config, workdir: str) -> dict:
                                f"stopping; {where}")
     return row
 
+  if step >= total_steps:
+    log.info("the run in %s has already trained its %d steps; its last logged metrics follow", workdir,
+             total_steps)
+    row = monitor.last_logged
   try:
     with jax.set_mesh(mesh):  # the steps, evaluation and saves all run on the run's mesh
       while step < total_steps:

@@ -64,23 +64,36 @@ def init_state(model: Transformer, config, rng: jax.Array, total_steps: int):
   return state, optimizer, axes
 
 
-def shard_state(state: TrainState, axes, optimizer, mesh) -> TrainState:
+def shard_state(state: TrainState, axes, mesh) -> TrainState:
   """`state` placed on `mesh` by `state_shardings`. Run the step under `jax.set_mesh(mesh)`."""
-  return jax.device_put(state, state_shardings(state, axes, optimizer, mesh))
+  return jax.device_put(state, state_shardings(state, axes, mesh))
 
 
-def state_shardings(state: TrainState, axes, optimizer, mesh) -> TrainState:
+def state_shardings(state: TrainState, axes, mesh) -> TrainState:
   """Where each leaf of `state` (arrays or their shapes) goes on `mesh`: params split by their logical
-  axes (moejax.parallel.mesh rules), the optimizer state as XLA propagates it from them through
-  `optimizer.init` (moments follow their parameter), everything else replicated."""
+  axes (moejax.parallel.mesh rules), each optimizer-state leaf that mirrors a parameter (a moment:
+  its path ends in the parameter's path, with its shape) as that parameter, everything else
+  replicated. Give the result to `jit_train_step` too, so that the step hands the state back as it
+  takes it."""
   params = jax.tree.map(lambda names, p: meshlib.named_sharding(names, p.shape, mesh), axes, state.params,
                         is_leaf=is_logical_axes)
-  abstract = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
-                          state.params, params)
-  with jax.set_mesh(mesh):
-    opt_state = jax.jit(optimizer.init).lower(abstract).compile().output_shardings
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  return state.replace(params=params, opt_state=opt_state,
+  by_path = {tuple(k.key for k in path): (tuple(p.shape), sharding) for (path, p), sharding in
+             zip(jax.tree_util.tree_flatten_with_path(state.params)[0], jax.tree.leaves(params), strict=True)}
+
+  def follow(path, leaf):
+    keys = []  # the dict keys that end the leaf's path: where a params-shaped tree sits in the state
+    for k in reversed(path):
+      if not isinstance(k, jax.tree_util.DictKey):
+        break
+      keys.insert(0, k.key)
+    for i in range(len(keys)):
+      shape, sharding = by_path.get(tuple(keys[i:]), (None, None))
+      if shape == tuple(leaf.shape):
+        return sharding
+    return replicated
+
+  return state.replace(params=params, opt_state=jax.tree_util.tree_map_with_path(follow, state.opt_state),
                        balance=jax.tree.map(lambda _: replicated, state.balance),
                        step=replicated, rng=replicated, bad_steps=replicated)
 
@@ -165,13 +178,25 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
 
 
 def compiler_options(config) -> dict:
-  """The XLA options that the train and eval steps compile with (config.train)."""
-  return {"xla_allow_excess_precision": config.train.allow_excess_precision}
+  """The XLA options that the train and eval steps compile with (config.train). The GPU ones are
+  passed only when they turn something off, so that XLA_FLAGS still set them otherwise."""
+  t = config.train
+  options = {"xla_allow_excess_precision": t.allow_excess_precision}
+  if not t.xla_triton_gemm:
+    options["xla_gpu_enable_triton_gemm"] = False
+  if not t.xla_dot_merger:
+    options["xla_gpu_dot_merger_threshold_mb"] = 0
+  return options
 
 
-def jit_train_step(model: Transformer, optimizer: optax.GradientTransformation, config, total_steps: int):
-  """`make_train_step` jitted as runs use it: the state donated, `compiler_options` applied."""
+def jit_train_step(model: Transformer, optimizer: optax.GradientTransformation, config, total_steps: int,
+                   shardings: TrainState | None = None):
+  """`make_train_step` jitted as runs use it: the state donated, `compiler_options` applied, and with
+  `shardings` (`state_shardings`) the new state placed as the old one. Left to XLA, an output may come
+  back placed otherwise than its input (a moment that follows its gradient), and the next call would
+  then compile the step again, or refuse an ahead-of-time compiled one."""
   return jax.jit(make_train_step(model, optimizer, config, total_steps), donate_argnums=0,
+                 out_shardings=None if shardings is None else (shardings, None),
                  compiler_options=compiler_options(config))
 
 

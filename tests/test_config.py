@@ -54,8 +54,10 @@ def _with(**overrides):
     (dict(model__num_dense_layers=9), r"num_dense_layers=9"),
     (dict(train__stages=[(128, 10, 1000)]), r"not a multiple of seq_len=128"),
     (dict(train__stages=[]), r"at least one"),
+    (dict(train__stages=(128, 3, 1024)), r"train.stages\[0\]=128 must be \(seq_len, steps, tokens_"),
     (dict(optim__name="sgd"), r"optim.name='sgd'"),
     (dict(train__allow_excess_precision=None), r"train.allow_excess_precision must be True or False"),
+    (dict(train__xla_dot_merger=None), r"train.xla_dot_merger must be True or False, got None"),
 ])
 def test_bad_configs_fail_clearly(overrides, message):
   with pytest.raises(ConfigError, match=message):
@@ -76,3 +78,17 @@ def test_entry_points_import_together():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   assert "imported" in out.stdout
+
+
+def test_compiler_options_name_real_xla_options():
+  """The GPU options go to XLA only when a config turns them off, under names XLA knows: a misspelt
+  option fails the compile ("No such compile option"), on the CPU too."""
+  import jax
+
+  from moejax.train_step import compiler_options
+
+  assert compiler_options(_with()) == {"xla_allow_excess_precision": False}
+  options = compiler_options(_with(train__xla_triton_gemm=False, train__xla_dot_merger=False))
+  assert options == {"xla_allow_excess_precision": False, "xla_gpu_enable_triton_gemm": False,
+                     "xla_gpu_dot_merger_threshold_mb": 0}
+  assert float(jax.jit(lambda x: x @ x, compiler_options=options)(2.0 * jax.numpy.eye(2))[0, 0]) == 4.0

@@ -268,7 +268,7 @@ def test_train_step_on_a_data_x_expert_mesh_matches_one_device():
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
   from benchmarks import step as step_bench
   from moejax.model import build_model
-  from moejax.train_step import init_state, make_train_step, shard_state
+  from moejax.train_step import init_state, jit_train_step, make_train_step, state_shardings
 
   # Newton-Schulz in float32: bf16 rounding would turn the float noise between the two placements'
   # gradients into update differences beyond this test's tolerance.
@@ -278,18 +278,35 @@ def test_train_step_on_a_data_x_expert_mesh_matches_one_device():
   state, optimizer, axes = init_state(model, config, jax.random.key(0), 10)
   batch = step_bench.synthetic_batch(config, 8, 64, mean_doc=20)
   mesh = step_bench.make_mesh({"data": 2, "expert": 4})
-  sharded = shard_state(state, axes, optimizer, mesh)
+  shardings = state_shardings(state, axes, mesh)
+  sharded = jax.device_put(state, shardings)
   assert sharded.params["layer_1"]["moe"]["expert_gate"].sharding.spec[0] == "expert"
+  # The optimizer's moments sit where their parameter does: Muon's of the expert weights split over
+  # the experts, and Adam's of the router as the router.
+  moments = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(sharded.opt_state)[0]:
+    keys = tuple(getattr(k, "key", None) for k in path[-3:])
+    moments.setdefault(keys, []).append(leaf.sharding.spec)
+  moe = sharded.params["layer_1"]["moe"]
+  assert moments[("layer_1", "moe", "expert_gate")] == [moe["expert_gate"].sharding.spec]
+  router = moe["router"].sharding.spec
+  assert len(moments[("layer_1", "moe", "router")]) == 2 and router[-1] == "expert"
+  assert all(spec == router for spec in moments[("layer_1", "moe", "router")])
+  specs = lambda state: jax.tree.map(lambda a: a.sharding.spec, state)
+  placed = specs(sharded)
   step = jax.jit(make_train_step(model, optimizer, config, 10))
   single_rows, mesh_rows = [], []
   for _ in range(2):
     state, m = step(state, batch)
     single_rows.append(m)
+  mesh_step = jit_train_step(model, optimizer, config, 10, shardings)
   with jax.set_mesh(mesh):
     sharded_batch = jax.device_put(batch, meshlib.batch_sharding(mesh))
     for _ in range(2):
-      sharded, m = step(sharded, sharded_batch)
+      sharded, m = mesh_step(sharded, sharded_batch)
+      assert specs(sharded) == placed  # handed back as taken: the next call reuses the compiled step
       mesh_rows.append(m)
+  assert mesh_step._cache_size() == 1
   for a, b in zip(single_rows, mesh_rows, strict=True):
     assert float(b["moe/dropped"]) == 0
     for key in ("loss", "grad_norm", "moe/maxvio_batch"):

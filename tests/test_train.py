@@ -196,6 +196,16 @@ def test_tiny_run_lowers_the_loss(reference):
   assert reference["final"]["step"] == TOTAL and reference["final"]["loss"] == losses[-1]
 
 
+def test_restarting_a_finished_run_trains_nothing(reference, tmp_path):
+  """A restart of a run that has done all its steps restores, trains nothing, leaves the log as it
+  was, and returns the last logged metrics (not an empty row)."""
+  workdir = tmp_path / "done"
+  shutil.copytree(reference["workdir"], workdir)
+  again = train.run(reference["config"], str(workdir))
+  assert again["step"] == TOTAL and again["loss"] == reference["final"]["loss"]
+  assert read_rows(workdir) == reference["rows"]
+
+
 def test_metrics_log_and_tensorboard(reference):
   rows, config = reference["rows"], reference["config"]
   assert [r["step"] for r in rows] == list(range(1, TOTAL + 1))
@@ -527,4 +537,4 @@ def _mesh_template(config):
   model = build_model(config)
   state, optimizer, axes = init_state(model, config, jax.random.key(0), 6)
   mesh = make_mesh(**config.train.mesh, axis_types=(jax.sharding.AxisType.Auto,) * 4)
-  return shard_state(state, axes, optimizer, mesh)
+  return shard_state(state, axes, mesh)
