@@ -20,10 +20,28 @@ def _logits(h_BCD, w_DV):
   return jnp.dot(h_BCD, w_DV.astype(h_BCD.dtype), preferred_element_type=jnp.float32)
 
 
+def logsumexp_one_pass(x):
+  """logsumexp over the last axis in one reduction, float32: (max, sum of exp(x - max)) pairs merged
+  as (m, s) + (m', s') = (M, s e^(m - M) + s' e^(m' - M)), M = max(m, m'). jax.nn.logsumexp reads x
+  twice, for its max and then for its sum; over a chunk of float32 logits each read is 1 GiB in the
+  H200 step (4 x 2048 rows, 32K vocabulary), a quarter of the loss's traffic. The starting max is
+  the lowest finite float32, not -inf, so that merging two empty pairs gives 0 * e^0, not NaN."""
+  x = x.astype(jnp.float32)
+
+  def merge(a, b):
+    (m_a, s_a), (m_b, s_b) = a, b
+    m = jnp.maximum(m_a, m_b)
+    return m, s_a * jnp.exp(m_a - m) + s_b * jnp.exp(m_b - m)
+
+  lowest = jnp.float32(jnp.finfo(jnp.float32).min)
+  m, s = jax.lax.reduce((x, jnp.ones_like(x)), (lowest, jnp.float32(0)), merge, (x.ndim - 1,))
+  return m + jnp.log(s)
+
+
 def _chunk_terms(h_BCD, w_DV, targets_BC, mask_BC):
   """Masked sums of the NLL and of lse^2 over one chunk, and its logits and lse."""
   logits_BCV = _logits(h_BCD, w_DV)
-  lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+  lse_BC = logsumexp_one_pass(logits_BCV)
   target_logit_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
   nll = jnp.sum((lse_BC - target_logit_BC) * mask_BC)
   z = jnp.sum(jnp.square(lse_BC) * mask_BC)

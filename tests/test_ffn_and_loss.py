@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moejax.layers.ffn import SiTUGLU, situ_glu
-from moejax.loss import cross_entropy
+from moejax.loss import cross_entropy, logsumexp_one_pass
 
 finite_floats = st.floats(allow_nan=False, allow_infinity=False, width=32)
 
@@ -142,6 +142,28 @@ def _reference_ce(h, w, targets, mask, z_weight):
   nll = lse - np.take_along_axis(logits, np.asarray(targets)[..., None], -1)[..., 0]
   count = max(mask.sum(), 1.0)
   return float((nll * mask).sum() / count + z_weight * (lse**2 * mask).sum() / count)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 5), width=st.integers(1, 700), scale=st.sampled_from([1e-3, 1.0, 30.0, 1e4]),
+       shift=st.sampled_from([0.0, -1e4, 80.0]), seed=st.integers(0, 2**31 - 1))
+def test_one_pass_logsumexp_matches_float64(rows, width, scale, shift, seed):
+  """Widths past one reduction tile and odd ones, spreads from flat to one dominant entry, and shifts
+  whose exponentials would under- or overflow unshifted."""
+  x = (np.random.default_rng(seed).standard_normal((rows, width)) * scale + shift).astype(np.float32)
+  got = np.asarray(jax.jit(logsumexp_one_pass)(jnp.asarray(x)))
+  x64 = x.astype(np.float64)
+  top = x64.max(-1)
+  want = top + np.log(np.sum(np.exp(x64 - top[:, None]), -1))
+  np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * (1 + np.log(width)))
+
+
+def test_one_pass_logsumexp_of_infinities_and_nan():
+  x = jnp.asarray([[0.0, -jnp.inf, 1.0], [jnp.inf, 0.0, 1.0], [jnp.nan, 0.0, 1.0]], jnp.float32)
+  got = np.asarray(logsumexp_one_pass(x))
+  np.testing.assert_allclose(got[0], np.logaddexp(0.0, 1.0), rtol=1e-6)
+  assert np.isnan(got[1]) or got[1] == np.inf  # as jax.nn.logsumexp: no finite answer
+  assert np.isnan(got[2])
 
 
 @settings(max_examples=8, deadline=None)

@@ -83,10 +83,12 @@ def _logits_bwd(res, dl_ME):
   x_MD, w_DE = res
   dl_hi, dl_lo = _bf16_parts(dl_ME, 2)
   w_hi, w_lo = _bf16_parts(w_DE, 2)
+  # dx comes out of the matmul in x's dtype (its float32 sums rounded once, as a cast after would): a
+  # float32 [M, D] output would be written and read again only to be cast.
   dx = jnp.dot(jnp.concatenate([dl_hi, dl_hi, dl_lo], axis=1),
-               jnp.concatenate([w_hi, w_lo, w_hi], axis=1).T, preferred_element_type=jnp.float32)
+               jnp.concatenate([w_hi, w_lo, w_hi], axis=1).T, preferred_element_type=x_MD.dtype)
   dw = jnp.dot(x_MD.T, jnp.concatenate(_bf16_parts(dl_ME, 3), axis=1), preferred_element_type=jnp.float32)
-  return dx.astype(x_MD.dtype), _column_blocks_sum(dw, 3).astype(w_DE.dtype)
+  return dx, _column_blocks_sum(dw, 3).astype(w_DE.dtype)
 
 
 logits_bf16x3.defvjp(_logits_fwd, _logits_bwd)
