@@ -38,6 +38,8 @@ class _Tile:
     c = c0 + jax.lax.broadcasted_iota(jnp.int32, (bc,), 0)
     self.col_ok = None if C % bc == 0 else c < C
     self.col_idx = None if C % bc == 0 else jnp.minimum(c, C - 1)
+    # Made once per tile: the dz kernel asks for each mask twice, with a store in between.
+    self._masks, self._own_doc = {}, None
 
   def rows(self, shift: int):
     """Row indices t0 + shift + [0, bt) clamped into [0, T), and which of them were inside."""
@@ -64,12 +66,16 @@ class _Tile:
     pltriton.store(ref.at[self.b, pl.ds(self.t0, self.bt), self.cols], value.astype(ref.dtype), mask=mask)
 
   def same_doc(self, doc_ref, shift: int):
-    """[bt] bool: row t + shift exists and, with documents, is in row t's document."""
-    r, ok = self.rows(shift)
-    if doc_ref is None:
-      return ok
-    own, _ = self.rows(0)
-    return ok & (doc_ref[self.b, r] == doc_ref[self.b, own])
+    """[bt] bool: row t + shift exists and, with documents, is in row t's document. Made once per
+    shift and tile: the document ids are loaded once, not again for every use."""
+    if shift not in self._masks:
+      r, ok = self.rows(shift)
+      if doc_ref is not None and shift != 0:
+        if self._own_doc is None:
+          self._own_doc = doc_ref[self.b, self.rows(0)[0]]
+        ok = ok & (doc_ref[self.b, r] == self._own_doc)
+      self._masks[shift] = ok
+    return self._masks[shift]
 
 
 def _tap(tile: _Tile, x_ref, doc_ref, lag: int):
