@@ -186,13 +186,14 @@ def run_fla(shapes, reps_ms, timeout_s):
   return res
 
 
-def pallas_config(args):
-  """The op's Config with --scan-lowering applied; None (the op's defaults) without."""
-  if not args.scan_lowering:
+def pallas_config(args, merged: bool = False):
+  """The op's Config with --scan-lowering applied, and for "pallas-merged" with merge_chunks (the
+  forward's chunk pairs merged for its state pass); None (the op's defaults) without either."""
+  if not args.scan_lowering and not merged:
     return None
   from pallas_kernels.kda.pallas_op import Config
-  fwd, bwd = args.scan_lowering.split(",")
-  return Config(scan_fwd_lowering=fwd or None, scan_bwd_lowering=bwd or None)
+  fwd, bwd = args.scan_lowering.split(",") if args.scan_lowering else ("", "")
+  return Config(scan_fwd_lowering=fwd or None, scan_bwd_lowering=bwd or None, merge_chunks=merged)
 
 
 def main_table(args):
@@ -201,7 +202,8 @@ def main_table(args):
   bw, flops = (4.3e12, 7.9e14) if INTERPRET else ceilings()
   print(f"device {device}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
   rows = []
-  fns = {impl: kda_fns(impl, config=pallas_config(args) if impl == "pallas" else None, chunk=args.chunk)
+  fns = {impl: kda_fns(impl.split("-")[0], config=pallas_config(args, merged=impl == "pallas-merged")
+                       if impl.startswith("pallas") else None, chunk=args.chunk)
          for impl in args.impls.split(",")}
   fla_all = {}
   if not args.no_fla:
@@ -220,7 +222,10 @@ def main_table(args):
       if impl == "xla" and T > args.xla_max_t:
         continue
       out = both(*inputs)
-      res[impl] = (time_ms(fwd, *inputs[:5]), time_ms(both, *inputs), err(out))
+      e = err(out)
+      if impl == "pallas-merged":  # its gradients take the unmerged path: check the merged forward too
+        e = max(e, float("nan") if ref is None else rel_err((fwd(*inputs[:5]),), ref[:1]))
+      res[impl] = (time_ms(fwd, *inputs[:5]), time_ms(both, *inputs), e)
       del out
     if fla is not None:
       fla_out = [jnp.asarray(x) for x in read_fla_outputs(B, T)]
@@ -230,7 +235,8 @@ def main_table(args):
     ff, fb = floor_ms(B, T, False, bw, flops, args.chunk), floor_ms(B, T, True, bw, flops, args.chunk)
     for impl, (tf, tb, err) in res.items():
       ratio = (f"{tf / res['fla'][0]:.2f}", f"{tb / res['fla'][1]:.2f}") if "fla" in res else ("-", "-")
-      name = {"pallas": "ours (pallas)", "xla": "ours (xla ref)",
+      name = {"pallas": "ours (pallas)", "pallas-merged": "ours (pallas, chunk pairs merged)",
+              "xla": "ours (xla ref)",
               "fla": "fla 0.6.0" + (" (DESIGN §7)" if fla is None else "")}[impl]
       rows.append((f"B={B} T={T}", name, f"{tf:.3f}", f"{tb:.3f}", *ratio, f"{tf / ff:.1f}",
                    f"{tb / fb:.1f}", "-" if err != err else f"{err:.1e}"))
@@ -420,7 +426,8 @@ def main():
   p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU), no fla")
   p.add_argument("--fla-ms", type=int, default=200)
   p.add_argument("--fla-timeout", type=int, default=420, help="seconds for the fla child (autotuning too)")
-  p.add_argument("--impls", default="pallas,xla")
+  p.add_argument("--impls", default="pallas,xla", help="of pallas, pallas-merged (Config.merge_chunks: "
+                 "the forward's chunk pairs merged for its state pass), xla")
   p.add_argument("--no-ref", action="store_true", help="skip the float32 reference (no errors)")
   p.add_argument("--ref-max-t", type=int, default=1 << 30, help="errors only up to this T")
   p.add_argument("--no-stress", action="store_true", help="skip the T=1M run")

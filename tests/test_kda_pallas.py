@@ -293,3 +293,54 @@ def test_launch_parameters_follow_the_chunk_unless_set():
              for n in ("prep_fwd", "state_grads", "prep_bwd", "scan_fwd", "scan_bwd"))
   assert all(getattr(Config().for_chunk(c), n) is not None for c in (16, 128)
              for n in ("prep_fwd", "state_grads", "prep_bwd", "scan_fwd", "scan_bwd"))
+
+
+MERGE_CASES = {
+    # Several K and V blocks per program (block 16), documents ending inside chunks and on their edges.
+    "T50-C16-docs": dict(T=50, C=16, H=2, K=16, V=16, docs=[5, 11, 16, 1, 17], gate=None, dtype=jnp.float32,
+                         config=Config(block=16, block_fwd=16, block_v_fwd=16)),
+    # Five chunks, padded to six; widths padded (K 40 -> 64, V 24 -> 32).
+    "T131-C32-padded": dict(T=131, C=32, H=1, K=40, V=24, docs=[32, 1, 40, 58], gate=None,
+                            dtype=jnp.float32, config=Config(block=16, block_fwd=16)),
+    # Every gate at the bound: a pair's decay e^-320 underflows to zero, as a chunk's would.
+    "T64-C16-bound": dict(T=64, C=16, H=1, K=16, V=16, docs=None, gate=LB, dtype=jnp.float32,
+                          config=Config(block=16, block_fwd=16)),
+    # bf16 with the Mosaic state pass at the merged chunk of 64.
+    "T100-C32-bf16-mosaic": dict(T=100, C=32, H=1, K=64, V=64, docs=[32, 20, 48], gate=None,
+                                 dtype=jnp.bfloat16, config=Config(scan_fwd_lowering="mosaic")),
+}
+
+
+@pytest.mark.parametrize("name", list(MERGE_CASES))
+def test_merged_chunk_pairs_give_the_same_forward(name):
+  """Config.merge_chunks: the forward with each pair of chunks merged for the state pass equals the
+  unmerged op and the float32 recurrence (o and the final state, initial state given); the gradient
+  path, which never merges, is the unmerged one exactly."""
+  import dataclasses
+
+  c = MERGE_CASES[name]
+  qkvgb, S0, cot = make_inputs(len(name), 2, c["T"], c["H"], c["K"], c["V"], dtype=c["dtype"], gate=c["gate"])
+  seg = None if c["docs"] is None else jnp.asarray(np.stack([ids_from_lengths(c["docs"])] * 2), jnp.int32)
+  merged_cfg = dataclasses.replace(c["config"], merge_chunks=True)
+  forward = jax.jit(lambda qkvgb, cfg: run("kernel", qkvgb, S0, seg, C=c["C"], config=cfg), static_argnums=1)
+  merged, plain = forward(qkvgb, merged_cfg), forward(qkvgb, c["config"])
+  f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+  want = run("recurrent", f32(qkvgb), S0, seg, C=c["C"])
+  bf16 = c["dtype"] == jnp.bfloat16
+  for m, p, w in zip(jax.tree.leaves(merged), jax.tree.leaves(plain), jax.tree.leaves(want), strict=True):
+    assert rel_err(m, p) <= (2e-3 if bf16 else 1e-6)
+    assert rel_err(m, w) <= (1e-2 if bf16 else 1e-5)
+    assert np.all(np.isfinite(np.asarray(m, np.float32)))
+  if not bf16:
+    grads = [value_and_vjp(qkvgb, S0, seg, cot, impl="kernel", C=c["C"], config=cfg)
+             for cfg in (merged_cfg, c["config"])]
+    for a, b in zip(*map(jax.tree.leaves, grads), strict=True):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_merged_chunk_pairs_need_a_state_pass_at_twice_the_chunk():
+  qkvgb, S0, _ = make_inputs(0, 1, 8, 1, 4, 3)
+  with pytest.raises(ValueError, match="merge_chunks runs the state pass at chunk 256"):
+    run("kernel", qkvgb, S0, None, C=128, config=Config(merge_chunks=True))
+  with pytest.raises(ValueError, match="merge_chunks must be True or False"):
+    Config(merge_chunks=1)

@@ -44,12 +44,20 @@ class Config:
   # And of the backward state pass (mosaic_scan_bwd), chosen the same way: 0.281 ms against 0.447 there.
   scan_bwd_lowering: str | None = None
   mosaic_slots: int = 2         # chunks in flight in the Mosaic scan's TMA ring (2 and 3 timed alike)
+  # The forward alone (no gradient taken): the prep kernel merges each pair of chunks into one of twice
+  # the size (pallas_tiles_fwd.merge_pair), so that the sequential state pass walks half as many, at
+  # the doubled chunk's cost per step. At B=1 that pass is about half of the forward (BENCHMARKS.md,
+  # "KDA kernel"). Not yet timed on the GPU, hence off. A forward kept for the backward pass never
+  # merges: the backward reads the state at every chunk.
+  merge_chunks: bool = False
 
   def __post_init__(self):
     for name in ("block", "block_fwd", "block_grads", "block_v_fwd", "block_v_bwd"):
       n = getattr(self, name)
       if n is not None and (not isinstance(n, int) or n < 16 or n & (n - 1)):
         raise ValueError(f"Config.{name} must be a power of two >= 16 (Triton tiles), got {n!r}")
+    if not isinstance(self.merge_chunks, bool):
+      raise ValueError(f"Config.merge_chunks must be True or False, got {self.merge_chunks!r}")
     if not isinstance(self.mosaic_slots, int) or self.mosaic_slots < 1:
       raise ValueError(f"Config.mosaic_slots must be a positive int, got {self.mosaic_slots!r}")
     for name in ("scan_fwd_lowering", "scan_bwd_lowering"):
@@ -122,6 +130,7 @@ class _Static:
   out_dtype: jnp.dtype
   interpret: bool
   cfg: Config
+  scan_cfg: Config | None = None  # with merge_chunks: the config at the state pass's doubled chunk
 
   def block(self, *widths):
     return min(self.cfg.block, *widths)
@@ -132,20 +141,22 @@ class _Static:
 
 def _forward(st: _Static, q, k, v, g, beta, S0, doc, keep: bool):
   K, V = q.shape[-1], v.shape[-1]
+  merge = st.scan_cfg is not None and not keep
   W, U, qg, kd, Aqk, sdec, *solve = prep_forward(q, k, v, g, beta, doc, chunk=st.chunk,
                                                  block=st.block_fwd(K, V), scale=st.scale, prec=st.prec,
                                                  store_dtype=st.store_dtype, interpret=st.interpret,
-                                                 tuning=st.cfg.prep_fwd, keep_solve=keep)
+                                                 tuning=st.cfg.prep_fwd, keep_solve=keep, merge_pairs=merge)
   states_dtype = st.store_dtype if keep else None
-  if st.cfg.scan_lowering(st.chunk, K, V, st.store_dtype, st.interpret) == "mosaic":
+  scan_cfg, scan_chunk = (st.scan_cfg, 2 * st.chunk) if merge else (st.cfg, st.chunk)
+  if scan_cfg.scan_lowering(scan_chunk, K, V, st.store_dtype, st.interpret) == "mosaic":
     o, S_fin, states, Vp = mosaic_scan.scan_forward_mosaic(
-        W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype, block_v=st.cfg.mosaic_block_v(V),
-        stages=st.cfg.mosaic_slots, states_dtype=states_dtype, interpret=st.interpret)
+        W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype, block_v=scan_cfg.mosaic_block_v(V),
+        stages=scan_cfg.mosaic_slots, states_dtype=states_dtype, interpret=st.interpret)
   else:
-    o, S_fin, states, Vp = scan_forward(W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype,
-                                        block_v=st.cfg.block_v(st.cfg.block_v_fwd, q.shape[0], q.shape[2], V),
+    block_v = scan_cfg.block_v(scan_cfg.block_v_fwd, q.shape[0], q.shape[2], V)
+    o, S_fin, states, Vp = scan_forward(W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype, block_v=block_v,
                                         big=st.prec.big, states_dtype=states_dtype, interpret=st.interpret,
-                                        tuning=st.cfg.scan_fwd)
+                                        tuning=scan_cfg.scan_fwd)
   return (o, S_fin), (q, k, v, g, beta, doc, W, qg, kd, Aqk, sdec, states, Vp, *solve)
 
 
@@ -212,16 +223,22 @@ def chunk_kda_pallas(q, k, v, g, beta, scale, initial_state, reset_BT, *, chunk_
   C = chunk_size
   if (why := limits.unsupported(C, K, V)) is not None:
     raise ValueError(why)
-  cfg = (Config() if config is None else config).for_chunk(C)
+  config = Config() if config is None else config
+  if config.merge_chunks and (why := limits.unsupported(2 * C, K, V)) is not None:
+    raise ValueError(f"Config.merge_chunks runs the state pass at chunk {2 * C}, which cannot: {why}")
+  cfg = config.for_chunk(C)
+  scan_cfg = config.for_chunk(2 * C) if config.merge_chunks else None
   f32_mode = any(jnp.dtype(x.dtype).itemsize >= 4 for x in (q, k, v))
   store_dtype = jnp.dtype(jnp.float32 if f32_mode else jnp.bfloat16)
   s = _static_scale(scale)
   if s is None:
     q, s = q * scale, 1.0
   st = _Static(chunk=C, scale=s, prec=tiles.precision_for(store_dtype), store_dtype=store_dtype,
-               out_dtype=jnp.dtype(v.dtype), interpret=bool(interpret), cfg=cfg)
+               out_dtype=jnp.dtype(v.dtype), interpret=bool(interpret), cfg=cfg, scan_cfg=scan_cfg)
 
   N = -(-T // C)
+  if config.merge_chunks:
+    N += N % 2  # whole pairs: the padded chunk's zero k, v, beta and g leave the state as it is
   Kp, Vp = limits.padded_width(K), limits.padded_width(V)
   pad = lambda x, width: jnp.pad(x, [(0, 0), (0, N * C - T), (0, 0), (0, width - x.shape[-1])])
   qp, kp, gp = (pad(x.astype(store_dtype) if x is not g else x, Kp) for x in (q, k, g))

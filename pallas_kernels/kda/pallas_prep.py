@@ -12,6 +12,8 @@ tiles; sdec [B,H,N,K]; states [B,H,N,K,V]. prep_backward's extra [B,H,T,C] float
 its programs' scratch.
 """
 
+import copy
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -29,6 +31,12 @@ class _Program:
   def __init__(self, C, block, interpret):
     self.c, self.h, self.b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     self.C, self.block, self.interpret = C, block, interpret
+
+  def at_chunk(self, c) -> "_Program":
+    """The same program's views of chunk c instead."""
+    other = copy.copy(self)
+    other.c = c
+    return other
 
   def rows(self, p=None):
     return pl.ds(self.c * self.C, self.C) if p is None else pl.ds(self.c * self.C + p * TILE, TILE)
@@ -106,9 +114,17 @@ def _scratch_shapes(B, H, T, C, n):
 
 
 def prep_forward(q, k, v, g, beta, code, *, chunk: int, block: int, scale: float, prec: tiles.Precision,
-                 store_dtype, interpret: bool, tuning: Tuning, keep_solve: bool = False):
+                 store_dtype, interpret: bool, tuning: Tuning, keep_solve: bool = False,
+                 merge_pairs: bool = False):
   """Returns W, U, qg, kd, Aqk, sdec: [B,H,T,K|V|K|K|C] in store_dtype and [B,H,N,K] float32; with
-  keep_solve also the solve that prep_backward needs: strict S_kk and Linv, [B,H,T,C] float32 each."""
+  keep_solve also the solve that prep_backward needs: strict S_kk and Linv, [B,H,T,C] float32 each.
+
+  merge_pairs (N even, no keep_solve): a program preps chunks 2p and 2p+1 and merges them into one chunk
+  of 2C rows (pallas_tiles_fwd.merge_pair); Aqk is then [B,H,T,2C] and sdec [B,H,N/2,K], the operands
+  of a state pass at chunk 2C."""
+  if merge_pairs:
+    return _prep_forward_pairs(q, k, v, g, beta, code, chunk=chunk, block=block, scale=scale, prec=prec,
+                               store_dtype=store_dtype, interpret=interpret, tuning=tuning)
   B, T, H, K = q.shape
   V = v.shape[-1]
   C, N = chunk, T // chunk
@@ -129,6 +145,70 @@ def prep_forward(q, k, v, g, beta, code, *, chunk: int, block: int, scale: float
     out_shape += _scratch_shapes(B, H, T, C, 2)
   return launch(kernel, grid=(N, H, B), out_shape=out_shape, interpret=interpret, tuning=tuning,
                 name="kda_prep_fwd")(q, k, v, g, beta, code)
+
+
+def _prep_forward_pairs(q, k, v, g, beta, code, *, chunk: int, block: int, scale: float,
+                        prec: tiles.Precision, store_dtype, interpret: bool, tuning: Tuning):
+  """prep_forward with merge_pairs: one program per pair of chunks. Each chunk's prep writes its
+  results where the merged chunk's go; the merge then reads them back (fresh in the cache) and
+  rewrites the ones that change. The chunks' own decays go to a scratch output."""
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  C, N = chunk, T // chunk
+  if N % 2:
+    raise ValueError(f"merging chunk pairs needs an even number of chunks, got {N} (T={T}, chunk={C})")
+
+  def kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref, W_ref, U_ref, qg_ref, kd_ref, Aqk_ref,
+             sdec2_ref, sdec_ref):
+    program = _Program(C, block, interpret)
+    pair = program.c
+    halves = [program.at_chunk(2 * pair + half) for half in (0, 1)]
+    refs = {"W": W_ref, "U": U_ref, "qg": qg_ref, "kd": kd_ref}
+
+    def prep_half(half, carry):
+      # A loop rather than two inlined copies of prep, which ptxas (H200, chunk 32, K=V=128) compiled
+      # with 276 bytes of spills; as a loop, none.
+      pr = program.at_chunk(2 * pair + half)
+
+      def put_Aqk(x):
+        Aqk_ref[pr.b, pr.h, pr.rows(), pl.ds(half * C, C)] = x.astype(Aqk_ref.dtype)
+
+      put = tiles_fwd.Sinks(W=pr.put_full(W_ref), U=pr.put_full(U_ref), qg=pr.put_full(qg_ref),
+                            kd=pr.put_full(kd_ref), sdec=pr.put_per_chunk(sdec_ref), Aqk=put_Aqk)
+      tiles_fwd.prep(*pr.inputs(q_ref, k_ref, v_ref, g_ref, beta_ref, code_ref), scale, prec, put)
+      return carry
+
+    jax.lax.fori_loop(0, 2, prep_half, 0)
+    barrier(interpret)  # the merge reads what other threads of the program wrote
+
+    def load(name, half, i):
+      pr = halves[half]
+      return refs[name][pr.b, pr.h, pr.rows(), pr.cols(i)].astype(jnp.float32)
+
+    def store(name, half, i, x):
+      pr = halves[half]
+      refs[name][pr.b, pr.h, pr.rows(), pr.cols(i)] = x.astype(refs[name].dtype)
+
+    def put_sdec(i, x):
+      pr = halves[0]
+      sdec2_ref[pr.b, pr.h, pair, pr.cols(i)] = x
+
+    def put_Aqk(half, col_half, x):
+      pr = halves[half]
+      Aqk_ref[pr.b, pr.h, pr.rows(), pl.ds(col_half * C, C)] = x.astype(Aqk_ref.dtype)
+
+    views = tiles_fwd.PairViews(
+        load=load, store=store, sdec=lambda half, i: sdec_ref[halves[half].b, halves[half].h,
+                                                              halves[half].c, halves[half].cols(i)],
+        put_sdec=put_sdec, put_Aqk=put_Aqk, barrier=lambda: barrier(interpret))
+    tiles_fwd.merge_pair(views, K // block, V // block, C, prec)
+
+  sd = lambda *shape: jax.ShapeDtypeStruct(shape, store_dtype)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  out_shape = (sd(B, H, T, K), sd(B, H, T, V), sd(B, H, T, K), sd(B, H, T, K), sd(B, H, T, 2 * C),
+               f32(B, H, N // 2, K), f32(B, H, N, K))
+  return launch(kernel, grid=(N // 2, H, B), out_shape=out_shape, interpret=interpret, tuning=tuning,
+                name="kda_prep_fwd_pairs")(q, k, v, g, beta, code)[:6]
 
 
 def state_grads(states, dS_next, dO, dVp, Vp, *, block: int, prec: tiles.Precision, store_dtype,

@@ -125,3 +125,63 @@ def prep(q: Chunk, k: Chunk, v: Chunk, g: Gates, b: Rows, code: Rows, scale: flo
 
   loop(k.n, w_block, 0)
   loop(v.n, u_block, 0)
+
+
+class PairViews(NamedTuple):
+  """A prep program's two chunks a (first) and b as the merge reads and rewrites them, in place:
+  load(name, half, i) -> float32 [C, BK or BV] of W, U, qg or kd (half 0: a, 1: b; i: column block);
+  store(name, half, i, x); sdec(half, i) -> float32 [BK]; put_sdec(i, x) the merged chunk's;
+  put_Aqk(half, col_half, x) a [C, C] quarter of the merged chunk's [2C, 2C] A_qk; barrier() over the
+  program's threads (a block loaded by some threads is rewritten by others)."""
+  load: Callable
+  store: Callable
+  sdec: Callable
+  put_sdec: Callable
+  put_Aqk: Callable
+  barrier: Callable
+
+
+def merge_pair(views: PairViews, n_k: int, n_v: int, C: int, prec: Precision):
+  """Rewrites the state-pass operands of chunks a and b (prep's, in place) as those of one chunk of
+  2C rows, so that the state pass walks half as many chunks. With S the state entering a, each chunk's
+  pass is V' = U - W S, O = qg S + A_qk V', S <- sdec * S + kd^T V'. Through b's entering state
+  S_a = sdec_a * S + kd_a^T V'_a, and with M = W_b kd_a^T [C, C]:
+    V'_b = (U_b - M U_a) - (W_b sdec_a - M W_a) S,
+    O_b  = (qg_b sdec_a) S + (qg_b kd_a^T) V'_a + A_qk,b V'_b,
+    S   <- (sdec_a sdec_b) * S + (kd_a sdec_b)^T V'_a + kd_b^T V'_b.
+  So b's W, U and qg, a's kd, the decay and A_qk = [[A_qk,a, 0], [qg_b kd_a^T, A_qk,b]] change; a's W, U,
+  qg and b's kd stay. Every factor is a decay over part of the pair, at most 1, so nothing here can
+  grow, as within a chunk."""
+  zero = jnp.zeros((C, C), jnp.float32)
+
+  def cross(i, acc):
+    M, Q = acc
+    kd_a = views.load("kd", 0, i)
+    return (M + dot_nt(views.load("W", 1, i), kd_a, prec.big),
+            Q + dot_nt(views.load("qg", 1, i), kd_a, prec.big))
+
+  M, Q = loop(n_k, cross, (zero, zero))
+  views.put_Aqk(1, 0, Q)
+  views.put_Aqk(0, 1, zero)
+  views.barrier()  # every thread has read the blocks that the loops below rewrite
+
+  def k_block(i, carry):
+    s_a, s_b = views.sdec(0, i), views.sdec(1, i)
+    W_b = views.load("W", 1, i) * s_a[None, :] - dot(M, views.load("W", 0, i), prec.solve)
+    qg_b = views.load("qg", 1, i) * s_a[None, :]
+    kd_a = views.load("kd", 0, i) * s_b[None, :]
+    views.barrier()
+    views.store("W", 1, i, W_b)
+    views.store("qg", 1, i, qg_b)
+    views.store("kd", 0, i, kd_a)
+    views.put_sdec(i, s_a * s_b)
+    return carry
+
+  def v_block(i, carry):
+    U_b = views.load("U", 1, i) - dot(M, views.load("U", 0, i), prec.solve)
+    views.barrier()
+    views.store("U", 1, i, U_b)
+    return carry
+
+  loop(n_k, k_block, 0)
+  loop(n_v, v_block, 0)
