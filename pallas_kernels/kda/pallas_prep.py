@@ -189,6 +189,10 @@ def _prep_forward_pairs(q, k, v, g, beta, code, *, chunk: int, block: int, scale
       pr = halves[half]
       refs[name][pr.b, pr.h, pr.rows(), pr.cols(i)] = x.astype(refs[name].dtype)
 
+    def sdec(half, i):
+      pr = halves[half]
+      return sdec_ref[pr.b, pr.h, pr.c, pr.cols(i)]
+
     def put_sdec(i, x):
       pr = halves[0]
       sdec2_ref[pr.b, pr.h, pair, pr.cols(i)] = x
@@ -197,10 +201,8 @@ def _prep_forward_pairs(q, k, v, g, beta, code, *, chunk: int, block: int, scale
       pr = halves[half]
       Aqk_ref[pr.b, pr.h, pr.rows(), pl.ds(col_half * C, C)] = x.astype(Aqk_ref.dtype)
 
-    views = tiles_fwd.PairViews(
-        load=load, store=store, sdec=lambda half, i: sdec_ref[halves[half].b, halves[half].h,
-                                                              halves[half].c, halves[half].cols(i)],
-        put_sdec=put_sdec, put_Aqk=put_Aqk, barrier=lambda: barrier(interpret))
+    views = tiles_fwd.PairViews(load=load, store=store, sdec=sdec, put_sdec=put_sdec, put_Aqk=put_Aqk,
+                                barrier=lambda: barrier(interpret))
     tiles_fwd.merge_pair(views, K // block, V // block, C, prec)
 
   sd = lambda *shape: jax.ShapeDtypeStruct(shape, store_dtype)
