@@ -144,6 +144,9 @@ def base_config() -> ml_collections.ConfigDict:
   o.muon_consistent_rms = 0.2
   # The Newton-Schulz iteration's dtype: bf16 as in the original Muon (tensor-core rate), or float32.
   o.muon_ns_dtype = "bfloat16"
+  # Its symmetric products: "xla" (einsums), "pallas" (GPU kernels that compute each mirrored pair of
+  # tiles once: moejax/muon.py) or "interpret" (those kernels on the CPU, slow: for tests).
+  o.muon_ns_implementation = "xla"
   o.qk_clip_tau = 0.0  # > 0 enables per-head QK-clip on MLA (reported MuonClip uses 100)
 
   t = c.train = ml_collections.ConfigDict()
@@ -307,6 +310,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
        "optim.warmup_steps, grad_clip and qk_clip_tau must be >= 0")
   need(o.muon_ns_dtype in ("bfloat16", "float32"),
        f"optim.muon_ns_dtype={o.muon_ns_dtype!r} must be 'bfloat16' or 'float32'")
+  need(o.muon_ns_implementation in ("xla", "pallas", "interpret"),
+       f"optim.muon_ns_implementation={o.muon_ns_implementation!r} must be 'xla', 'pallas' or 'interpret'")
 
   t = config.train
   need(len(t.stages) > 0, "train.stages must list at least one (seq_len, steps, tokens_per_batch)")

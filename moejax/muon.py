@@ -15,6 +15,10 @@ Each matrix is described by MuonDimensionNumbers (moejax.optim.matrix_axes): eve
 neither a reduction nor an output axis (scanned layers, experts) indexes independent matrices.
 Parameters of one shape and logical axes (the same projection in every layer) are stacked and
 iterated as one batch (`orthogonalise_many`): fewer, larger matmuls, the same arithmetic per matrix.
+
+`ns_implementation`: "xla" runs each step's three products as einsums; "pallas" (GPU) and "interpret"
+(CPU) run the two symmetric ones, S = X X^T and P = a I + b S + c S^2, as pallas_kernels.newton_schulz
+kernels that compute each pair of mirrored tiles once, and P X as an einsum.
 """
 
 import math
@@ -23,7 +27,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
+
+from pallas_kernels import newton_schulz as ns_kernels
+
+NS_IMPLEMENTATIONS = ("xla",) + ns_kernels.IMPLEMENTATIONS
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -45,9 +54,13 @@ def _axes(x, dims: MuonDimensionNumbers) -> tuple[tuple[int, ...], tuple[int, ..
   return tuple(a for a in range(x.ndim) if a not in red + out), red, out
 
 
-def newton_schulz(x_MN: jax.Array, steps: int = NS_STEPS, eps: float = 1e-8) -> jax.Array:
+def newton_schulz(x_MN: jax.Array, steps: int = NS_STEPS, eps: float = 1e-8,
+                  implementation: str = "xla") -> jax.Array:
   """The quintic iteration on the trailing [M, N] matrices of x (any leading batch axes), in x's
-  dtype; the result is ~U V^T of each."""
+  dtype; the result is ~U V^T of each. `implementation`: one of NS_IMPLEMENTATIONS (module docstring)."""
+  if implementation not in NS_IMPLEMENTATIONS:
+    raise ValueError(f"unknown Newton-Schulz implementation {implementation!r}; expected one of "
+                     f"{NS_IMPLEMENTATIONS}")
   transpose = x_MN.shape[-2] > x_MN.shape[-1]
   if transpose:  # iterate on the short side: X X^T is m x m
     x_MN = jnp.swapaxes(x_MN, -2, -1)
@@ -55,30 +68,55 @@ def newton_schulz(x_MN: jax.Array, steps: int = NS_STEPS, eps: float = 1e-8) -> 
   x_MN = (x_MN.astype(jnp.float32) / (norm + eps)).astype(x_MN.dtype)
   a, b, c = NS_COEFFS
   m = x_MN.shape[-2]
-  a_eye_MM = a * jnp.eye(m, dtype=x_MN.dtype)
+  a_eye_MM = a * jnp.eye(m, dtype=x_MN.dtype) if implementation == "xla" else None
   for _ in range(steps):
-    s_MM = jnp.einsum("...mn,...kn->...mk", x_MN, x_MN)
     # a X + (b S + c S^2) X as (a I + b S + c S^2) X: the element-wise work is on the m x m matrix
     # instead of the m x n one, and the last product needs none after it.
-    p_MM = a_eye_MM + b * s_MM + c * jnp.einsum("...mk,...kj->...mj", s_MM, s_MM)
+    if implementation == "xla":
+      s_MM = jnp.einsum("...mn,...kn->...mk", x_MN, x_MN)
+      p_MM = a_eye_MM + b * s_MM + c * jnp.einsum("...mk,...kj->...mj", s_MM, s_MM)
+    else:  # S is symmetric, so S^2 = S S^T: both are Gram products
+      s_MM = ns_kernels.gram_poly(x_MN, implementation=implementation)
+      p_MM = ns_kernels.gram_poly(s_MM, c, b, a, implementation=implementation)
     x_MN = jnp.einsum("...mk,...kn->...mn", p_MM, x_MN)
   return jnp.swapaxes(x_MN, -2, -1) if transpose else x_MN
 
 
-def orthogonalise(x: jax.Array, dims: MuonDimensionNumbers, ns_dtype, steps: int = NS_STEPS) -> jax.Array:
+def _matrices_per_device(fn, x_MN: jax.Array) -> jax.Array:
+  """fn(x_MN) with the Pallas kernels inside: XLA cannot partition a kernel, so under a mesh of several
+  devices it runs in shard_map, each device on its share of the batch axes (split as x's are), with the
+  matrix axes whole (resharded to that first, as XLA's own products would gather them). Axes of the
+  mesh that are not Explicit give no sharding to follow: there every device runs every matrix."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return fn(x_MN)
+  spec = tuple(jax.typeof(x_MN).sharding.spec)
+  spec += (None,) * (x_MN.ndim - len(spec))
+  whole = P(*spec[:-2], None, None)
+  if spec != tuple(whole):
+    x_MN = jax.sharding.reshard(x_MN, whole)
+  # check_vma off: a Pallas kernel's output declares no varying axes; each device's matrices are its own.
+  return jax.shard_map(fn, in_specs=whole, out_specs=whole, check_vma=False)(x_MN)
+
+
+def orthogonalise(x: jax.Array, dims: MuonDimensionNumbers, ns_dtype, steps: int = NS_STEPS,
+                  implementation: str = "xla") -> jax.Array:
   """NewtonSchulz5 of each matrix of x (float32) in ns_dtype, returned float32 in x's layout. The batch
   axes stay separate axes (not merged), so a sharded one (experts) stays sharded as it was."""
   batch, red, out = _axes(x, dims)
   order = batch + red + out
   size = lambda axes: math.prod(x.shape[a] for a in axes)
   x_MN = jnp.transpose(x, order).reshape(*(x.shape[a] for a in batch), size(red), size(out))
-  o_MN = newton_schulz(x_MN.astype(ns_dtype), steps).astype(jnp.float32)
+  iterate = lambda x_MN: newton_schulz(x_MN, steps, implementation=implementation)
+  x_MN = x_MN.astype(ns_dtype)
+  o_MN = (iterate(x_MN) if implementation == "xla" else _matrices_per_device(iterate, x_MN))
+  o_MN = o_MN.astype(jnp.float32)
   o = o_MN.reshape(tuple(x.shape[a] for a in order))
   return jnp.transpose(o, tuple(order.index(a) for a in range(x.ndim)))
 
 
 def orthogonalise_many(xs: list, dims: list, ns_dtype, steps: int = NS_STEPS,
-                       keys: list | None = None) -> list:
+                       keys: list | None = None, implementation: str = "xla") -> list:
   """`orthogonalise` of each array, with the arrays of equal shape, dimension numbers and key (e.g.
   their logical axes, hence their sharding) stacked on a new leading axis and iterated together: one
   Newton-Schulz per group of like matrices (the same projection in every layer) instead of one per
@@ -91,12 +129,12 @@ def orthogonalise_many(xs: list, dims: list, ns_dtype, steps: int = NS_STEPS,
   out = [None] * len(xs)
   for (_, _, (_, red, outs), _), idx in groups.items():
     if len(idx) == 1:
-      out[idx[0]] = orthogonalise(xs[idx[0]], dims[idx[0]], ns_dtype, steps)
+      out[idx[0]] = orthogonalise(xs[idx[0]], dims[idx[0]], ns_dtype, steps, implementation)
       continue
     # The new leading axis is one more batch axis.
     shifted = MuonDimensionNumbers(reduction_axis=tuple(a + 1 for a in red),
                                    output_axis=tuple(a + 1 for a in outs))
-    o = orthogonalise(jnp.stack([xs[i] for i in idx]), shifted, ns_dtype, steps)
+    o = orthogonalise(jnp.stack([xs[i] for i in idx]), shifted, ns_dtype, steps, implementation)
     for j, i in enumerate(idx):
       out[i] = o[j]
   return out
@@ -114,7 +152,8 @@ def rms_scale(x: jax.Array, dims: MuonDimensionNumbers, consistent_rms: float) -
 
 
 def scale_by_muon(dimension_numbers, *, beta: float, consistent_rms: float, ns_dtype=jnp.bfloat16,
-                  ns_steps: int = NS_STEPS, group_keys=None) -> optax.GradientTransformation:
+                  ns_steps: int = NS_STEPS, group_keys=None,
+                  ns_implementation: str = "xla") -> optax.GradientTransformation:
   """dimension_numbers: a tree over the params of MuonDimensionNumbers, None where a parameter is
   not a matrix. Meant for the Muon side of optax.partition, which masks the other parameters out
   (optax MaskedNode), so every parameter this sees must have dimension numbers.
@@ -122,6 +161,9 @@ def scale_by_muon(dimension_numbers, *, beta: float, consistent_rms: float, ns_d
   group_keys: an optional tree over the params of hashables (their logical axes): parameters of one
   shape and key are orthogonalised together (`orthogonalise_many`). Without it nothing is grouped."""
   ns_dtype = jnp.dtype(ns_dtype)
+  if ns_implementation not in NS_IMPLEMENTATIONS:
+    raise ValueError(f"unknown Newton-Schulz implementation {ns_implementation!r}; expected one of "
+                     f"{NS_IMPLEMENTATIONS}")
   is_masked = lambda x: isinstance(x, optax.MaskedNode)
 
   def init(params):
@@ -147,7 +189,7 @@ def scale_by_muon(dimension_numbers, *, beta: float, consistent_rms: float, ns_d
         raise ValueError(f"Muon got a parameter of shape {leaves[i].shape} without matrix dimension numbers")
     grouped = keys if group_keys is not None else list(range(len(leaves)))  # distinct: no grouping
     ortho = orthogonalise_many([leaves[i] for i in live], [dims[i] for i in live], ns_dtype, ns_steps,
-                               keys=[grouped[i] for i in live])
+                               keys=[grouped[i] for i in live], implementation=ns_implementation)
     out = list(leaves)
     for i, o in zip(live, ortho, strict=True):
       out[i] = (o * rms_scale(leaves[i], dims[i], consistent_rms)).astype(u_leaves[i].dtype)

@@ -81,7 +81,8 @@ def make_optimizer(cfg_opt, logical_axes, total_steps: int) -> optax.GradientTra
     core = optax.partition({
         "muon": optax.chain(
             scale_by_muon(dims, beta=cfg_opt.muon_beta, consistent_rms=cfg_opt.muon_consistent_rms,
-                          ns_dtype=cfg_opt.muon_ns_dtype, group_keys=logical_axes),
+                          ns_dtype=cfg_opt.muon_ns_dtype, group_keys=logical_axes,
+                          ns_implementation=cfg_opt.muon_ns_implementation),
             optax.add_decayed_weights(cfg_opt.weight_decay, mask),
             optax.scale_by_learning_rate(schedule)),
         # Nesterov, as optax.contrib.muon's AdamW side.

@@ -147,14 +147,17 @@ def _layout_tree(seed):
   return axes, values
 
 
-def test_muon_in_float32_is_optax_muon():
+@pytest.mark.parametrize("ns_implementation", ["xla", "interpret"])
+def test_muon_in_float32_is_optax_muon(ns_implementation):
   """Independent reference: optax.contrib.muon with the same dimension numbers, momentum, Nesterov,
   consistent-RMS scaling and decays, over three steps (bias corrections differ per step). The AdamW
-  side decays only by the mask in moejax, so the reference's decay there is added by hand."""
+  side decays only by the mask in moejax, so the reference's decay there is added by hand. Both forms
+  of the iteration: einsums, and the symmetric-product kernels (in interpret mode)."""
   axes, params = _layout_tree(0)
   lr, adam_lr, wd = 0.02, 0.003, 0.1
   cfg = small_config(name="muon", lr=lr, adam_lr=adam_lr, weight_decay=wd, warmup_steps=0, grad_clip=0.0,
-                     muon_ns_dtype="float32", final_lr_fraction=1.0).optim
+                     muon_ns_dtype="float32", final_lr_fraction=1.0,
+                     muon_ns_implementation=ns_implementation).optim
   ours = make_optimizer(cfg, axes, 10)
   mask = weight_decay_mask(axes)
   ref = optax.contrib.muon(
@@ -171,12 +174,14 @@ def test_muon_in_float32_is_optax_muon():
     chex.assert_trees_all_close(u_ours, u_ref, rtol=2e-5, atol=1e-7)
 
 
-def test_muon_in_bfloat16_stays_near_float32():
+@pytest.mark.parametrize("ns_implementation", ["xla", "interpret"])
+def test_muon_in_bfloat16_stays_near_float32(ns_implementation):
   """bf16 Newton-Schulz (the default) is not the float32 iteration, but every matrix's update points
   the same way (cosine > 0.99) and its singular values stay in the quintic's band around one."""
   axes, grads = _layout_tree(5)
   params = jax.tree.map(jnp.zeros_like, grads)
-  u = {dtype: _muon_update(grads, params, axes, lr=1.0, weight_decay=0.0, muon_ns_dtype=dtype)
+  u = {dtype: _muon_update(grads, params, axes, lr=1.0, weight_decay=0.0, muon_ns_dtype=dtype,
+                           muon_ns_implementation="xla" if dtype == "float32" else ns_implementation)
        for dtype in ("float32", "bfloat16")}
   for k, (names, _) in _MUON_LAYOUTS.items():
     dims = matrix_axes(names)
@@ -198,6 +203,8 @@ def test_muon_in_bfloat16_stays_near_float32():
 def test_muon_ns_dtype_is_validated():
   with pytest.raises(ValueError, match="muon_ns_dtype"):
     small_config(name="muon", muon_ns_dtype="float16")
+  with pytest.raises(ValueError, match="muon_ns_implementation"):
+    small_config(name="muon", muon_ns_implementation="triton")
 
 
 def test_weight_decay_mask_of_the_model(model_axes):

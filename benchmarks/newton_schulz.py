@@ -1,0 +1,134 @@
+"""Muon's Newton-Schulz on the step's own matrices: the einsum form ("xla") against the symmetric
+kernels of pallas_kernels/newton_schulz ("pallas"), in the same call.
+
+  python3 benchmarks/newton_schulz.py --config experiments/h200.py --out BENCHMARKS.md
+  python3 benchmarks/newton_schulz.py --sweep 128,64,4,3 128,64,8,3 64,64,4,3    # also these blocks
+  python3 benchmarks/newton_schulz.py --smoke                                     # tiny, on the CPU
+
+Times: medians of back-to-back calls of one jitted function. Per group (the parameters Muon stacks and
+iterates together, `moejax.muon.orthogonalise_many`): `newton_schulz` on random bf16 matrices of the
+group's shape. Then the whole Muon update (`scale_by_muon`) over the config's parameters, as the train
+step runs it (momentum, stacking, scaling included). Errors: ||o - o_f32|| / ||o_f32|| against the same
+update with the iteration in float32 (XLA, exact products).
+"""
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from benchmarks.report import kernel_benchmark_args, provenance, publish, relative_error  # noqa: E402
+from benchmarks.timing import time_ms  # noqa: E402
+
+SECTION = "Muon Newton-Schulz"
+
+
+def add_arguments(p):
+  p.add_argument("--config", default="experiments/h200.py")
+  p.add_argument("--sweep", nargs="*", default=[], metavar="ROWS,DEPTH,WARPS,STAGES",
+                 help="also time the kernel's blocks at these settings, per group")
+
+
+def muon_side(config):
+  """(params of the Muon side, MaskedNode elsewhere; their dimension numbers; their group keys), the
+  params random float32 of the config's shapes."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from benchmarks.step import abstract_state
+  from moejax.model import build_model
+  from moejax.optim import muon_dimension_numbers
+
+  shapes, _, axes = abstract_state(build_model(config), config)
+  dims = muon_dimension_numbers(axes)
+  leaves, treedef = jax.tree.flatten(shapes.params)
+  dim_leaves = treedef.flatten_up_to(dims)
+  keys = jax.random.split(jax.random.key(0), len(leaves))
+  params = [optax.MaskedNode() if d is None else jax.random.normal(k, s.shape, jnp.float32) * 0.02
+            for s, d, k in zip(leaves, dim_leaves, keys, strict=True)]
+  return jax.tree.unflatten(treedef, params), dims, axes
+
+
+def groups(params, dims, axes) -> list[tuple[int, int, int]]:
+  """(matrices, m, n) with m <= n of each group that orthogonalise_many iterates together."""
+  import math
+
+  import jax
+  import optax
+
+  from moejax.muon import _axes
+
+  is_masked = lambda x: isinstance(x, optax.MaskedNode)
+  leaves, treedef = jax.tree.flatten(params, is_leaf=is_masked)
+  found: dict = {}
+  for x, d, key in zip(leaves, treedef.flatten_up_to(dims), treedef.flatten_up_to(axes), strict=True):
+    if is_masked(x):
+      continue
+    batch, red, outs = _axes(x, d)
+    size = lambda a, x=x: math.prod(x.shape[i] for i in a)
+    b, m, n = found.get((x.shape, batch, red, outs, key), (0, 0, 0))
+    found[(x.shape, batch, red, outs, key)] = (b + size(batch), min(size(red), size(outs)),
+                                               max(size(red), size(outs)))
+  return list(found.values())
+
+
+def main():
+  args = kernel_benchmark_args(__doc__.split("\n\n")[0], add_arguments)
+  import jax
+  import jax.numpy as jnp
+
+  from benchmarks.step import load_config
+  from moejax.muon import newton_schulz, scale_by_muon
+  from pallas_kernels.kda.pallas_backend import Tuning
+  from pallas_kernels.newton_schulz import Blocks, gram_poly
+
+  ours = "interpret" if args.smoke else "pallas"
+  config = load_config(args.config, [], smoke=args.smoke)
+  params, dims, axes = muon_side(config)
+
+  lines = [*provenance(jax.devices()[0].device_kind),
+           f"`{args.config}`'s Muon matrices, bf16 iteration (5 quintic steps); ours at the default blocks "
+           f"({Blocks().rows}x{Blocks().rows} output tiles, depth {Blocks().depth}, "
+           f"{Blocks().tuning.num_warps} warps, {Blocks().tuning.num_stages} stages).", "",
+           "| matrices (batch x m x n) | xla ms | ours ms | xla / ours |", "|---|---|---|---|"]
+  rng = jax.random.key(1)
+  for (b, m, n) in sorted(groups(params, dims, axes), key=lambda g: -g[0] * g[1] * g[1] * g[2]):
+    x = jax.random.normal(rng, (b, m, n), jnp.bfloat16)
+    t = {impl: time_ms(jax.jit(lambda x, impl=impl: newton_schulz(x, implementation=impl)), x)
+         for impl in ("xla", ours)}
+    lines.append(f"| {b} x {m} x {n} | {t['xla']:.3f} | {t[ours]:.3f} | {t['xla'] / t[ours]:.2f} |")
+    print(lines[-1], flush=True)
+    for text in args.sweep:
+      rows, depth, warps, stages = (int(v) for v in text.split(","))
+      blocks = Blocks(rows=rows, depth=depth, tuning=Tuning(warps, stages))
+      s = jax.random.normal(rng, (b, m, m), jnp.bfloat16)
+      s = (s + jnp.swapaxes(s, 1, 2)).astype(jnp.bfloat16)
+      t1 = time_ms(jax.jit(lambda x, blocks=blocks: gram_poly(x, implementation=ours, blocks=blocks)), x)
+      t2 = time_ms(jax.jit(lambda s, blocks=blocks: gram_poly(s, -4.775, 3.4445, 2.0315, implementation=ours,
+                                                              blocks=blocks)), s)
+      print(f"  sweep {text}: X X^T {t1:.3f} ms, P {t2:.3f} ms", flush=True)
+
+  grads = jax.tree.map(lambda p: p * 0.5 + 0.01, params)
+  updates, times = {}, {}
+  for name, impl, dtype in (("float32 reference", "xla", jnp.float32), ("xla", "xla", jnp.bfloat16),
+                            ("ours", ours, jnp.bfloat16)):
+    opt = scale_by_muon(dims, beta=config.optim.muon_beta, consistent_rms=config.optim.muon_consistent_rms,
+                        ns_dtype=dtype, group_keys=axes, ns_implementation=impl)
+    state = opt.init(params)
+    step = jax.jit(lambda g, s, opt=opt: opt.update(g, s)[0])
+    updates[name] = step(grads, state)
+    if name != "float32 reference":
+      times[name] = time_ms(step, grads, state)
+  flat = lambda u: [x for x in jax.tree.leaves(u) if hasattr(x, "shape")]
+  err = {name: relative_error(jnp.concatenate([x.ravel() for x in flat(updates[name])]),
+                              jnp.concatenate([x.ravel() for x in flat(updates["float32 reference"])]))
+         for name in times}
+  lines += ["", "The whole Muon update over the config's parameters:", "",
+            "| implementation | ms | rel err vs float32 |", "|---|---|---|",
+            *(f"| {name} | {times[name]:.3f} | {err[name]:.1e} |" for name in times), "",
+            f"xla / ours: {times['xla'] / times['ours']:.2f}x."]
+  publish(None if args.smoke else args.out, SECTION, lines)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,107 @@
+"""Newton-Schulz's symmetric products (pallas_kernels/newton_schulz) against reference.gram_poly in
+float32, and Muon's iteration with them against its einsum form, on one device and under a mesh.
+
+The kernel runs in Pallas interpret mode here, as everywhere on the CPU."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from optax.contrib import MuonDimensionNumbers
+
+from moejax.muon import NS_COEFFS, newton_schulz, orthogonalise
+from moejax.parallel import mesh as meshlib
+from pallas_kernels.newton_schulz import Blocks, gram_poly, gram_poly_reference
+
+A, B, C = NS_COEFFS
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _symmetric(key, shape):
+  x = jax.random.normal(key, shape, jnp.float32)
+  return (x + jnp.swapaxes(x, -2, -1)) / 2
+
+
+@settings(max_examples=12, deadline=None)
+@given(batch=st.integers(1, 3), m=st.integers(1, 70), n=st.integers(1, 90), rows=st.sampled_from([16, 32]),
+       depth=st.sampled_from([16, 32]), seed=st.integers(0, 2**16))
+def test_gram_matches_the_reference(batch, m, n, rows, depth, seed):
+  """X X^T over shapes that the blocks do not divide (masked tiles), and a single tile."""
+  x = jax.random.normal(jax.random.key(seed), (batch, m, n), jnp.float32)
+  got = gram_poly(x, implementation="interpret", blocks=Blocks(rows=rows, depth=depth))
+  want = gram_poly_reference(x, precision=HIGHEST)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-4 * np.sqrt(n))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.swapaxes(got, -2, -1)))
+
+
+SCALES = [(C, B, A), (1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (-0.5, 2.0, 0.0)]
+
+
+@settings(max_examples=10, deadline=None)
+@given(m=st.integers(1, 70), rows=st.sampled_from([16, 32]), seed=st.integers(0, 2**16),
+       scales=st.sampled_from(SCALES))
+def test_poly_of_a_symmetric_matrix_matches_the_reference(m, rows, seed, scales):
+  """a I + b S + c S^2 (the quintic's P) and each term alone, S symmetric."""
+  s = _symmetric(jax.random.key(seed), (2, m, m))
+  got = gram_poly(s, *scales, implementation="interpret", blocks=Blocks(rows=rows, depth=16))
+  chex.assert_trees_all_close(got, gram_poly_reference(s, *scales, precision=HIGHEST), rtol=1e-5,
+                              atol=1e-4 * np.sqrt(m))
+
+
+def test_bf16_products_round_once():
+  """bf16 in and out: the float32 accumulation rounded once to bf16, leading batch axes kept."""
+  x = jax.random.normal(jax.random.key(3), (2, 3, 40, 72), jnp.bfloat16)
+  got = gram_poly(x, implementation="interpret", blocks=Blocks(rows=16, depth=32))
+  assert got.shape == (2, 3, 40, 40) and got.dtype == jnp.bfloat16
+  want = gram_poly_reference(x, precision=HIGHEST, out_dtype=jnp.float32)
+  # within one bf16 rounding of the exact products (and float32 sums in another order)
+  err = np.abs(np.asarray(got, np.float32) - np.asarray(want))
+  assert np.all(err <= 2 ** -8 * np.abs(np.asarray(want)) + 1e-3), err.max()
+
+
+@pytest.mark.parametrize("shape", [(3, 48, 80), (2, 80, 48), (4, 33, 33)])
+def test_newton_schulz_with_the_kernels_is_the_einsum_form(shape):
+  """In float32 both forms compute the same products (the kernels' S^2 as S S^T), transposing when
+  m > n, to float32 rounding; the result is near-orthogonal either way."""
+  x = jax.random.normal(jax.random.key(4), shape, jnp.float32)
+  with jax.default_matmul_precision("highest"):
+    want = newton_schulz(x)
+  got = newton_schulz(x, implementation="interpret")
+  chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_orthogonalise_under_a_mesh_splits_the_matrices_not_their_axes():
+  """With the expert axis split over 4 devices and the matrix axes over 2 (fsdp), the kernels run in
+  shard_map on whole matrices: the same result as on one device, split as the input was."""
+  x = jax.random.normal(jax.random.key(5), (8, 32, 48), jnp.float32)
+  dims = MuonDimensionNumbers(reduction_axis=1, output_axis=2)
+  want = orthogonalise(x, dims, jnp.float32, implementation="interpret")
+  mesh = meshlib.make_mesh(expert=4, fsdp=2)
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, NamedSharding(mesh, P("expert", "fsdp", None)))
+    got = jax.jit(lambda x: orthogonalise(x, dims, jnp.float32, implementation="interpret"))(xs)
+    assert got.sharding.spec[0] == "expert"
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_inputs_are_refused():
+  x = jnp.ones((4, 6), jnp.float32)
+  with pytest.raises(ValueError, match="square"):
+    gram_poly(x, 1.0, 0.5, implementation="interpret")
+  with pytest.raises(ValueError, match="bfloat16 or float32"):
+    gram_poly(x.astype(jnp.float16), implementation="interpret")
+  with pytest.raises(ValueError, match="needs a GPU"):
+    gram_poly(x, implementation="pallas")
+  with pytest.raises(ValueError, match="unknown gram_poly implementation"):
+    gram_poly(x, implementation="xla")
+  with pytest.raises(ValueError, match=r"\[\.\.\., m, n\]"):
+    gram_poly(jnp.ones((4,)), implementation="interpret")
+  with pytest.raises(ValueError, match="unknown Newton-Schulz implementation"):
+    newton_schulz(x, implementation="triton")
+  with pytest.raises(ValueError, match="power of two"):
+    Blocks(rows=48)
