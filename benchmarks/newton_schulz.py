@@ -9,7 +9,7 @@ Times: medians of back-to-back calls of one jitted function. Per group (the para
 iterates together, `moejax.muon.orthogonalise_many`): `newton_schulz` on random bf16 matrices of the
 group's shape. Then the whole Muon update (`scale_by_muon`) over the config's parameters, as the train
 step runs it (momentum, stacking, scaling included). Errors: ||o - o_f32|| / ||o_f32|| against the same
-update with the iteration in float32 (XLA, exact products).
+update with the iteration in float32 (XLA at precision "highest": exact float32 products).
 """
 
 import pathlib
@@ -78,7 +78,7 @@ def main():
   import jax.numpy as jnp
 
   from benchmarks.step import load_config
-  from moejax.muon import newton_schulz, scale_by_muon
+  from moejax.muon import NS_COEFFS, newton_schulz, scale_by_muon
   from pallas_kernels.kda.pallas_backend import Tuning
   from pallas_kernels.newton_schulz import Blocks, gram_poly
 
@@ -104,7 +104,7 @@ def main():
       s = jax.random.normal(rng, (b, m, m), jnp.bfloat16)
       s = (s + jnp.swapaxes(s, 1, 2)).astype(jnp.bfloat16)
       t1 = time_ms(jax.jit(lambda x, blocks=blocks: gram_poly(x, implementation=ours, blocks=blocks)), x)
-      t2 = time_ms(jax.jit(lambda s, blocks=blocks: gram_poly(s, -4.775, 3.4445, 2.0315, implementation=ours,
+      t2 = time_ms(jax.jit(lambda s, blocks=blocks: gram_poly(s, *NS_COEFFS[::-1], implementation=ours,
                                                               blocks=blocks)), s)
       print(f"  sweep {text}: X X^T {t1:.3f} ms, P {t2:.3f} ms", flush=True)
 
@@ -116,9 +116,12 @@ def main():
                         ns_dtype=dtype, group_keys=axes, ns_implementation=impl)
     state = opt.init(params)
     step = jax.jit(lambda g, s, opt=opt: opt.update(g, s)[0])
+    if name == "float32 reference":  # exact float32 products (the GPU's default for float32 is TF32)
+      with jax.default_matmul_precision("highest"):
+        updates[name] = step(grads, state)
+      continue
     updates[name] = step(grads, state)
-    if name != "float32 reference":
-      times[name] = time_ms(step, grads, state)
+    times[name] = time_ms(step, grads, state)
   flat = lambda u: [x for x in jax.tree.leaves(u) if hasattr(x, "shape")]
   err = {name: relative_error(jnp.concatenate([x.ravel() for x in flat(updates[name])]),
                               jnp.concatenate([x.ravel() for x in flat(updates["float32 reference"])]))

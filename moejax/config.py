@@ -145,7 +145,9 @@ def base_config() -> ml_collections.ConfigDict:
   # The Newton-Schulz iteration's dtype: bf16 as in the original Muon (tensor-core rate), or float32.
   o.muon_ns_dtype = "bfloat16"
   # Its symmetric products: "xla" (einsums), "pallas" (GPU kernels that compute each mirrored pair of
-  # tiles once: moejax/muon.py) or "interpret" (those kernels on the CPU, slow: for tests).
+  # tiles once: moejax/muon.py) or "interpret" (those kernels on the CPU, slow: for tests). Under a mesh
+  # the kernels split the experts over `expert` but iterate a matrix split over fsdp/tensor whole on
+  # each of those devices, where "xla" shares its products out.
   o.muon_ns_implementation = "xla"
   o.qk_clip_tau = 0.0  # > 0 enables per-head QK-clip on MLA (reported MuonClip uses 100)
 

@@ -30,6 +30,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 
+from moejax.parallel import mesh as meshlib
 from pallas_kernels import newton_schulz as ns_kernels
 
 NS_IMPLEMENTATIONS = ("xla",) + ns_kernels.IMPLEMENTATIONS
@@ -82,37 +83,46 @@ def newton_schulz(x_MN: jax.Array, steps: int = NS_STEPS, eps: float = 1e-8,
   return jnp.swapaxes(x_MN, -2, -1) if transpose else x_MN
 
 
-def _matrices_per_device(fn, x_MN: jax.Array) -> jax.Array:
-  """fn(x_MN) with the Pallas kernels inside: XLA cannot partition a kernel, so under a mesh of several
-  devices it runs in shard_map, each device on its share of the batch axes (split as x's are), with the
-  matrix axes whole (resharded to that first, as XLA's own products would gather them). Axes of the
-  mesh that are not Explicit give no sharding to follow: there every device runs every matrix."""
+def _matrices_per_device(fn, x_MN: jax.Array, batch_names: tuple | None) -> jax.Array:
+  """fn(x_MN) with Pallas kernels inside. XLA cannot partition a kernel, so under a mesh of several
+  devices it runs in shard_map: the batch axes split by their logical names (`batch_names`, e.g. the
+  experts over `expert`; None: unsplit), the matrix axes whole. A matrix whose own axes the parameter
+  layout splits (fsdp, tensor) is therefore gathered and iterated whole on each of those devices,
+  where the einsum form ("xla") would share its products out."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return fn(x_MN)
-  spec = tuple(jax.typeof(x_MN).sharding.spec)
-  spec += (None,) * (x_MN.ndim - len(spec))
-  whole = P(*spec[:-2], None, None)
-  if spec != tuple(whole):
-    x_MN = jax.sharding.reshard(x_MN, whole)
+  names = tuple(batch_names) if batch_names is not None else (None,) * (x_MN.ndim - 2)
+  spec = P(*meshlib.logical_spec(names), None, None)
+  x_MN = meshlib.constrain(x_MN, spec)
   # check_vma off: a Pallas kernel's output declares no varying axes; each device's matrices are its own.
-  return jax.shard_map(fn, in_specs=whole, out_specs=whole, check_vma=False)(x_MN)
+  return jax.shard_map(fn, in_specs=spec, out_specs=spec, check_vma=False)(x_MN)
 
 
 def orthogonalise(x: jax.Array, dims: MuonDimensionNumbers, ns_dtype, steps: int = NS_STEPS,
-                  implementation: str = "xla") -> jax.Array:
+                  implementation: str = "xla", logical_axes: tuple | None = None) -> jax.Array:
   """NewtonSchulz5 of each matrix of x (float32) in ns_dtype, returned float32 in x's layout. The batch
-  axes stay separate axes (not merged), so a sharded one (experts) stays sharded as it was."""
+  axes stay separate axes (not merged), so a sharded one (experts) stays sharded as it was.
+  `logical_axes` (x's axis names) place the kernels' work under a mesh (`_matrices_per_device`)."""
   batch, red, out = _axes(x, dims)
   order = batch + red + out
   size = lambda axes: math.prod(x.shape[a] for a in axes)
   x_MN = jnp.transpose(x, order).reshape(*(x.shape[a] for a in batch), size(red), size(out))
   iterate = lambda x_MN: newton_schulz(x_MN, steps, implementation=implementation)
   x_MN = x_MN.astype(ns_dtype)
-  o_MN = (iterate(x_MN) if implementation == "xla" else _matrices_per_device(iterate, x_MN))
+  if implementation == "xla":
+    o_MN = iterate(x_MN)
+  else:
+    batch_names = None if logical_axes is None else tuple(logical_axes[a] for a in batch)
+    o_MN = _matrices_per_device(iterate, x_MN, batch_names)
   o_MN = o_MN.astype(jnp.float32)
   o = o_MN.reshape(tuple(x.shape[a] for a in order))
   return jnp.transpose(o, tuple(order.index(a) for a in range(x.ndim)))
+
+
+def _is_axis_names(key) -> bool:
+  """Whether a group key is a parameter's logical axis names (a tuple of str or None)."""
+  return isinstance(key, tuple) and all(n is None or isinstance(n, str) for n in key)
 
 
 def orthogonalise_many(xs: list, dims: list, ns_dtype, steps: int = NS_STEPS,
@@ -121,20 +131,22 @@ def orthogonalise_many(xs: list, dims: list, ns_dtype, steps: int = NS_STEPS,
   their logical axes, hence their sharding) stacked on a new leading axis and iterated together: one
   Newton-Schulz per group of like matrices (the same projection in every layer) instead of one per
   array, whose small matmuls would otherwise each pay a kernel's fixed cost. Per matrix, the same
-  arithmetic."""
+  arithmetic. Keys that are logical axis names also place the Pallas kernels' work under a mesh."""
   groups: dict = {}
   for i, (x, d) in enumerate(zip(xs, dims, strict=True)):
     key = (tuple(x.shape), jnp.dtype(x.dtype).name, _axes(x, d), None if keys is None else keys[i])
     groups.setdefault(key, []).append(i)
   out = [None] * len(xs)
-  for (_, _, (_, red, outs), _), idx in groups.items():
+  for (_, _, (_, red, outs), key), idx in groups.items():
+    names = key if _is_axis_names(key) else None
     if len(idx) == 1:
-      out[idx[0]] = orthogonalise(xs[idx[0]], dims[idx[0]], ns_dtype, steps, implementation)
+      out[idx[0]] = orthogonalise(xs[idx[0]], dims[idx[0]], ns_dtype, steps, implementation, names)
       continue
     # The new leading axis is one more batch axis.
     shifted = MuonDimensionNumbers(reduction_axis=tuple(a + 1 for a in red),
                                    output_axis=tuple(a + 1 for a in outs))
-    o = orthogonalise(jnp.stack([xs[i] for i in idx]), shifted, ns_dtype, steps, implementation)
+    o = orthogonalise(jnp.stack([xs[i] for i in idx]), shifted, ns_dtype, steps, implementation,
+                      None if names is None else (None, *names))
     for j, i in enumerate(idx):
       out[i] = o[j]
   return out
