@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from moejax.layers.router import _bf16_parts, logits_bf16x3, router_scores
@@ -32,6 +32,7 @@ def rel(a, b):
 
 @settings(max_examples=12, deadline=None)
 @given(M=st.integers(1, 96), D=st.integers(1, 160), E=st.integers(1, 72), seed=st.integers(0, 2**16))
+@example(M=15, D=1, E=1, seed=0)  # one element dominates dx, and the two roundings of it differ by an ulp
 def test_matches_float64_and_the_highest_precision_matmul(M, D, E, seed):
   x, w, dl = inputs(seed, M, D, E)
   x64, w64, dl64 = (np.asarray(a, np.float64) for a in (x, w, dl))
@@ -44,9 +45,11 @@ def test_matches_float64_and_the_highest_precision_matmul(M, D, E, seed):
   tol = 4 * D * np.finfo(np.float32).eps
   assert rel(got, x64 @ w64) <= tol and rel(want, x64 @ w64) <= tol
   assert rel(dw, x64.T @ dl64) <= 4 * M * np.finfo(np.float32).eps
-  # dx is rounded to bf16 like the float32 path's; its two-part product adds far less than that.
+  # dx is rounded to bf16 like the float32 path's (half an ulp, at most 2^-8 of each element); its
+  # two-part product adds far less than that. Two such roundings of nearly equal values can land an ulp
+  # apart (up to 2^-7 of an element), which decides the norm where one element dominates it.
   dx64 = dl64 @ w64.T
-  assert rel(dx, dx64) <= 2.0**-8 and rel(dx, dx_f32) <= 2.0**-8
+  assert rel(dx, dx64) <= 2.0**-8 and rel(dx, dx_f32) <= 2.0**-7
   np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(dx_f32, np.float32), rtol=2.0**-7,
                              atol=float(np.abs(dx64).max()) * 2.0**-14)
 
