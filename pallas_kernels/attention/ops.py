@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.attention import kernel
 from pallas_kernels.attention.reference import document_attention_reference
+from pallas_kernels.backend import require_gpu
 from pallas_kernels.segments import document_ids
 
 IMPLEMENTATIONS = ("pallas", "interpret", "xla")
@@ -73,9 +74,8 @@ def document_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: fl
   if implementation == "xla":
     return document_attention_reference(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT, scale=scale,
                                         return_max_logit=return_max_logit)
-  if implementation == "pallas" and jax.default_backend() != "gpu":
-    raise ValueError(f"implementation='pallas' needs a GPU backend, not {jax.default_backend()!r}; use "
-                     "'interpret' (Pallas interpret mode) or 'xla'")
+  if implementation == "pallas":
+    require_gpu("document_attention", "'interpret' (Pallas interpret mode) or 'xla'")
   blocks = blocks or Blocks()
   if not isinstance(blocks, Blocks):
     raise ValueError(f"blocks must be a Blocks, got {blocks!r}")

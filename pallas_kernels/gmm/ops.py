@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.backend import require_gpu
 from pallas_kernels.gmm.kernel import gmm_pallas, tgmm_pallas
 from pallas_kernels.gmm.reference import gmm_xla
 from pallas_kernels.gmm.tiling import Tiling, resolve_tiling
@@ -49,9 +50,8 @@ def resolve_implementation(implementation):
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"unknown gmm implementation {implementation!r}; expected one of {IMPLEMENTATIONS}"
                      " or None")
-  if implementation == "pallas" and jax.default_backend() != "gpu":
-    raise ValueError(f"gmm implementation 'pallas' needs a GPU backend, not {jax.default_backend()!r};"
-                     " use 'interpret' to run the kernels on CPU or 'xla' for jax.lax.ragged_dot")
+  if implementation == "pallas":
+    require_gpu("gmm", "'interpret' to run the kernels on the CPU or 'xla' for jax.lax.ragged_dot")
   return implementation
 
 

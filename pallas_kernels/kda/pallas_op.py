@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.backend import require_gpu
 from pallas_kernels.kda import limits, mosaic_scan, mosaic_scan_bwd
 from pallas_kernels.kda import pallas_tiles as tiles
 from pallas_kernels.kda.pallas_backend import Tuning
@@ -215,9 +216,8 @@ def chunk_kda_pallas(q, k, v, g, beta, scale, initial_state, reset_BT, *, chunk_
   Data in bf16 runs bf16 dots with float32 accumulation and state; any float32 operand among q, k, v
   makes every product exact float32.
   """
-  if not interpret and jax.default_backend() != "gpu":
-    raise ValueError(f"implementation='pallas' needs a GPU (backend is {jax.default_backend()!r}); use "
-                     "'interpret' to run the same kernels on the CPU")
+  if not interpret:
+    require_gpu("chunk_kda")
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size

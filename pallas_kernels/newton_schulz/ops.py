@@ -8,9 +8,9 @@ inside the optimizer), so there is no custom VJP and jax.grad through the kernel
 
 import math
 
-import jax
 import jax.numpy as jnp
 
+from pallas_kernels.backend import require_gpu
 from pallas_kernels.newton_schulz import kernel
 from pallas_kernels.newton_schulz.kernel import Blocks
 
@@ -25,9 +25,8 @@ def gram_poly(x, scale_xx: float = 1.0, scale_x: float = 0.0, shift: float = 0.0
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"unknown gram_poly implementation {implementation!r}; expected one of "
                      f"{IMPLEMENTATIONS}")
-  if implementation == "pallas" and jax.default_backend() != "gpu":
-    raise ValueError(f"gram_poly implementation 'pallas' needs a GPU backend, not "
-                     f"{jax.default_backend()!r}; use 'interpret' to run the kernel on the CPU")
+  if implementation == "pallas":
+    require_gpu("gram_poly")
   if getattr(x, "ndim", 0) < 2 or 0 in x.shape[-2:]:
     raise ValueError(f"gram_poly needs non-empty matrices [..., m, n], got shape {getattr(x, 'shape', None)}")
   if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):

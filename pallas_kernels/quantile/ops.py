@@ -16,6 +16,7 @@ launches (BENCHMARKS.md, "Quantile balance kernels", once benchmarks/quantile.py
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.backend import require_gpu
 from pallas_kernels.quantile import kernel, reference
 from pallas_kernels.quantile.kernel import Blocks
 
@@ -29,9 +30,8 @@ def resolve_implementation(implementation) -> str:
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"unknown quantile balance implementation {implementation!r}; expected one of "
                      f"{IMPLEMENTATIONS} or None")
-  if implementation == "pallas" and jax.default_backend() != "gpu":
-    raise ValueError(f"quantile balance implementation 'pallas' needs a GPU backend, not "
-                     f"{jax.default_backend()!r}; use 'interpret' to run the kernels on CPU or 'xla'")
+  if implementation == "pallas":
+    require_gpu("quantile balance", "'interpret' to run the kernels on the CPU or 'xla'")
   return implementation
 
 

@@ -19,6 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.backend import require_gpu
 from pallas_kernels.kda.pallas_backend import Tuning
 from pallas_kernels.short_conv import kernel
 from pallas_kernels.short_conv import reference as ref
@@ -70,9 +71,8 @@ def conv_silu(x_BTC, w_WC, doc_BT=None, *, implementation: str | None = None, ou
   out_dtype = jnp.dtype(x_BTC.dtype if out_dtype is None else out_dtype)
   if implementation == "xla":
     return _conv_silu_xla(x_BTC, w_WC, doc_BT, out_dtype, normalize_eps)
-  if implementation == "pallas" and jax.default_backend() != "gpu":
-    raise ValueError(f"conv_silu implementation='pallas' needs a GPU (backend is "
-                     f"{jax.default_backend()!r}); use 'interpret' to run the kernels on the CPU")
+  if implementation == "pallas":
+    require_gpu("conv_silu")
   blocks = blocks or Blocks()
   W = w_WC.shape[0]
   C = math.prod(x_BTC.shape[2:])
