@@ -51,25 +51,21 @@ def muon_side(config):
 
 def groups(params, dims, axes) -> list[tuple[int, int, int]]:
   """(matrices, m, n) with m <= n of each group that orthogonalise_many iterates together."""
-  import math
-
   import jax
   import optax
 
-  from moejax.muon import _axes
+  from moejax.muon import like_matrix_groups, matrix_sizes
 
   is_masked = lambda x: isinstance(x, optax.MaskedNode)
   leaves, treedef = jax.tree.flatten(params, is_leaf=is_masked)
-  found: dict = {}
-  for x, d, key in zip(leaves, treedef.flatten_up_to(dims), treedef.flatten_up_to(axes), strict=True):
-    if is_masked(x):
-      continue
-    batch, red, outs = _axes(x, d)
-    size = lambda a, x=x: math.prod(x.shape[i] for i in a)
-    b, m, n = found.get((x.shape, batch, red, outs, key), (0, 0, 0))
-    found[(x.shape, batch, red, outs, key)] = (b + size(batch), min(size(red), size(outs)),
-                                               max(size(red), size(outs)))
-  return list(found.values())
+  live = [(x, d, key) for x, d, key in zip(leaves, treedef.flatten_up_to(dims), treedef.flatten_up_to(axes),
+                                            strict=True) if not is_masked(x)]
+  xs, ds, keys = zip(*live, strict=True)
+  found = []
+  for idx in like_matrix_groups(xs, ds, keys).values():
+    count, fan_in, fan_out = matrix_sizes(xs[idx[0]], ds[idx[0]])
+    found.append((len(idx) * count, min(fan_in, fan_out), max(fan_in, fan_out)))
+  return found
 
 
 def main():

@@ -125,6 +125,16 @@ def _is_axis_names(key) -> bool:
   return isinstance(key, tuple) and all(n is None or isinstance(n, str) for n in key)
 
 
+def like_matrix_groups(xs: list, dims: list, keys: list | None = None) -> dict[tuple, list[int]]:
+  """The indices of xs (arrays or ShapeDtypeStructs) that `orthogonalise_many` stacks and iterates
+  together, by (shape, dtype, the dimension numbers' axes, key)."""
+  groups: dict = {}
+  for i, (x, d) in enumerate(zip(xs, dims, strict=True)):
+    key = (tuple(x.shape), jnp.dtype(x.dtype).name, _axes(x, d), None if keys is None else keys[i])
+    groups.setdefault(key, []).append(i)
+  return groups
+
+
 def orthogonalise_many(xs: list, dims: list, ns_dtype, steps: int = NS_STEPS,
                        keys: list | None = None, implementation: str = "xla") -> list:
   """`orthogonalise` of each array, with the arrays of equal shape, dimension numbers and key (e.g.
@@ -132,12 +142,8 @@ def orthogonalise_many(xs: list, dims: list, ns_dtype, steps: int = NS_STEPS,
   Newton-Schulz per group of like matrices (the same projection in every layer) instead of one per
   array, whose small matmuls would otherwise each pay a kernel's fixed cost. Per matrix, the same
   arithmetic. Keys that are logical axis names also place the Pallas kernels' work under a mesh."""
-  groups: dict = {}
-  for i, (x, d) in enumerate(zip(xs, dims, strict=True)):
-    key = (tuple(x.shape), jnp.dtype(x.dtype).name, _axes(x, d), None if keys is None else keys[i])
-    groups.setdefault(key, []).append(i)
   out = [None] * len(xs)
-  for (_, _, (_, red, outs), key), idx in groups.items():
+  for (_, _, (_, red, outs), key), idx in like_matrix_groups(xs, dims, keys).items():
     names = key if _is_axis_names(key) else None
     if len(idx) == 1:
       out[idx[0]] = orthogonalise(xs[idx[0]], dims[idx[0]], ns_dtype, steps, implementation, names)
