@@ -20,11 +20,13 @@ def causal_attention_forward_flops_per_token(heads: int, qk_dim: int, v_dim: int
   return 2 * heads * (qk_dim + v_dim) * (seq_len + 1) / 2
 
 
-def newton_schulz_flops(shapes: list[tuple[int, int, int]], steps: int = 5) -> float:
+def newton_schulz_flops(shapes: list[tuple[int, int, int]], steps: int = 5, symmetric: bool = False) -> float:
   """Muon's quintic Newton-Schulz over (batch, rows, cols) matrices: per step, with m <= n the short
-  side, X X^T (2 m^2 n), A A (2 m^3) and B X (2 m^2 n)."""
+  side, X X^T (2 m^2 n), A A (2 m^3) and B X (2 m^2 n). `symmetric`: the two symmetric products made
+  as their lower triangles (pallas_kernels/newton_schulz), half of each (its diagonal tiles aside)."""
   total = 0.0
   for batch, rows, cols in shapes:
     m, n = min(rows, cols), max(rows, cols)
-    total += batch * steps * (4 * m * m * n + 2 * m ** 3)
+    gram = m * m * n + m ** 3 if symmetric else 2 * m * m * n + 2 * m ** 3
+    total += batch * steps * (gram + 2 * m * m * n)
   return total

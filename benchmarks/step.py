@@ -434,8 +434,10 @@ def optimizer_rows(config, params, axes, model_flops: float) -> list[str]:
   matrices = muon_matrices(config, params, axes)
   if not matrices:
     return []
-  ns = newton_schulz_flops(matrices, NS_STEPS)
-  return [f"| optimizer FLOPs (Muon Newton-Schulz in {config.optim.muon_ns_dtype}, "
+  kernels = config.optim.muon_ns_implementation != "xla"
+  ns = newton_schulz_flops(matrices, NS_STEPS, symmetric=kernels)
+  return [f"| optimizer FLOPs (Muon Newton-Schulz in {config.optim.muon_ns_dtype}"
+          f"{', symmetric products halved' if kernels else ''}, "
           f"{sum(b for b, _, _ in matrices):,} matrices; not in MFU) "
           f"| {ns / 1e12:.2f} T per step ({ns / model_flops:.0%} of the model's) |"]
 
@@ -545,6 +547,11 @@ def main():
   # 36 s instead of 77 (compile + run, 2 cores). Training keeps threefry. (On the H200 itself RBG did
   # not shorten it: 135-152 s either way, hence the host.)
   jax.config.update("jax_default_prng_impl", "rbg")
+  if args.only in ("step", "profile", "components"):
+    # XLA's allocator takes 75% of the card by default: 60 GiB of an 80 GiB H100, on which the 8K
+    # step of experiments/h200.py (70.8 GiB at its peak) ran out of memory. Not where this process
+    # also starts the 1M child (no --only), which asks 95% of the card for itself.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   if args.smoke:
     args.long_seq, args.steps, args.mean_doc = min(args.long_seq, 1024), min(args.steps, 2), 100
   if args.long_child:

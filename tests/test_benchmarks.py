@@ -74,6 +74,8 @@ def test_newton_schulz_flops_by_hand_and_matrix_list():
   from benchmarks.flops import newton_schulz_flops
   # m=3 <= n=5: X X^T 2*9*5, A A 2*27, B X 2*9*5 per step; 5 steps; a batch of 2.
   assert newton_schulz_flops([(2, 5, 3)]) == 2 * 5 * (4 * 9 * 5 + 2 * 27)
+  # The symmetric X X^T and A A as lower triangles: half of each.
+  assert newton_schulz_flops([(2, 5, 3)], symmetric=True) == 2 * 5 * (9 * 5 + 27 + 2 * 9 * 5)
   config = step.load_config(H200, [], smoke=True)
   model = build_model(config)
   abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 16), np.int32)))
