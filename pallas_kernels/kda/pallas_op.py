@@ -48,8 +48,9 @@ class Config:
   # The forward alone (no gradient taken): the prep kernel merges each pair of chunks into one of twice
   # the size (pallas_tiles_fwd.merge_pair), so that the sequential state pass walks half as many, at
   # the doubled chunk's cost per step. At B=1 that pass is about half of the forward (BENCHMARKS.md,
-  # "KDA kernel"). Not yet timed on the GPU, hence off. A forward kept for the backward pass never
-  # merges: the backward reads the state at every chunk.
+  # "KDA kernel"). Off: at B=2 T=8192 on an H100 it made the forward 13% slower (0.843 against 0.745
+  # ms, session 22); B=1 is not timed yet. A forward kept for the backward pass never merges: the
+  # backward reads the state at every chunk.
   merge_chunks: bool = False
 
   def __post_init__(self):
