@@ -5,18 +5,26 @@ kernels of pallas_kernels/newton_schulz ("pallas"), in the same call.
   python3 benchmarks/newton_schulz.py --sweep 128,64,4,3 128,64,8,3 64,64,4,3    # also these blocks
   python3 benchmarks/newton_schulz.py --smoke                                     # tiny, on the CPU
 
-Times: medians of back-to-back calls of one jitted function. Per group (the parameters Muon stacks and
-iterates together, `moejax.muon.orthogonalise_many`): `newton_schulz` on random bf16 matrices of the
-group's shape. Then the whole Muon update (`scale_by_muon`) over the config's parameters, as the train
-step runs it (momentum, stacking, scaling included). Errors: ||o - o_f32|| / ||o_f32|| against the same
-update with the iteration in float32 (XLA at precision "highest": exact float32 products).
+Times: medians of back-to-back calls of one jitted function. First the whole Muon update
+(`scale_by_muon`) over the config's parameters, as the train step runs it (momentum, stacking, scaling
+included), with its errors ||o - o_f32|| / ||o_f32|| against the same update with the iteration in
+float32 (XLA at precision "highest": exact float32 products). Then per group (the parameters Muon stacks
+and iterates together, `moejax.muon.like_matrix_groups`): `newton_schulz` on random bf16 matrices of the
+group's shape. The section is rewritten after each part, so a run cut off by a time limit keeps what it
+measured.
 """
 
 import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from benchmarks.report import kernel_benchmark_args, provenance, publish, relative_error  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+  kernel_benchmark_args,
+  provenance,
+  publish,
+  relative_error,
+  replace_section,
+)
 from benchmarks.timing import time_ms  # noqa: E402
 
 SECTION = "Muon Newton-Schulz"
@@ -85,26 +93,14 @@ def main():
   lines = [*provenance(jax.devices()[0].device_kind),
            f"`{args.config}`'s Muon matrices, bf16 iteration (5 quintic steps); ours at the default blocks "
            f"({Blocks().rows}x{Blocks().rows} output tiles, depth {Blocks().depth}, "
-           f"{Blocks().tuning.num_warps} warps, {Blocks().tuning.num_stages} stages).", "",
-           "| matrices (batch x m x n) | xla ms | ours ms | xla / ours |", "|---|---|---|---|"]
-  rng = jax.random.key(1)
-  largest_first = sorted(groups(params, dims, axes), key=lambda g: -g[0] * g[1] * g[1] * g[2])
-  for rank, (b, m, n) in enumerate(largest_first):
-    x = jax.random.normal(rng, (b, m, n), jnp.bfloat16)
-    t = {impl: time_ms(jax.jit(lambda x, impl=impl: newton_schulz(x, implementation=impl)), x)
-         for impl in ("xla", ours)}
-    lines.append(f"| {b} x {m} x {n} | {t['xla']:.3f} | {t[ours]:.3f} | {t['xla'] / t[ours]:.2f} |")
-    print(lines[-1], flush=True)
-    for text in args.sweep if rank == 0 else ():
-      rows, depth, warps, stages = (int(v) for v in text.split(","))
-      blocks = Blocks(rows=rows, depth=depth, tuning=Tuning(warps, stages))
-      s = jax.random.normal(rng, (b, m, m), jnp.bfloat16)
-      s = (s + jnp.swapaxes(s, 1, 2)).astype(jnp.bfloat16)
-      t1 = time_ms(jax.jit(lambda x, blocks=blocks: gram_poly(x, implementation=ours, blocks=blocks)), x)
-      t2 = time_ms(jax.jit(lambda s, blocks=blocks: gram_poly(s, *NS_COEFFS[::-1], implementation=ours,
-                                                              blocks=blocks)), s)
-      print(f"  sweep {text}: X X^T {t1:.3f} ms, P {t2:.3f} ms", flush=True)
+           f"{Blocks().tuning.num_warps} warps, {Blocks().tuning.num_stages} stages)."]
 
+  def save(rest: str):
+    """The section as far as it got, so that a run cut off by a time limit keeps its figures."""
+    if not args.smoke:
+      replace_section(args.out, SECTION, "\n".join(lines + ["", rest]))
+
+  # The whole update first: its errors against float32 decide whether ours may be used at all.
   grads = jax.tree.map(lambda p: p * 0.5 + 0.01, params)
   updates, times = {}, {}
   for name, impl, dtype in (("float32 reference", "xla", jnp.float32), ("xla", "xla", jnp.bfloat16),
@@ -123,10 +119,40 @@ def main():
   err = {name: relative_error(jnp.concatenate([x.ravel() for x in flat(updates[name])]),
                               jnp.concatenate([x.ravel() for x in flat(updates["float32 reference"])]))
          for name in times}
+  del updates
   lines += ["", "The whole Muon update over the config's parameters:", "",
             "| implementation | ms | rel err vs float32 |", "|---|---|---|",
             *(f"| {name} | {times[name]:.3f} | {err[name]:.1e} |" for name in times), "",
-            f"xla / ours: {times['xla'] / times['ours']:.2f}x."]
+            f"xla / ours: {times['xla'] / times['ours']:.2f}x.", "",
+            "Per group (`newton_schulz` on random bf16 matrices of the group's shape):", "",
+            "| matrices (batch x m x n) | xla ms | ours ms | xla / ours |", "|---|---|---|---|"]
+  print("\n".join(lines), flush=True)
+  save("(the run ended before the first group)")
+
+  rng = jax.random.key(1)
+  sweep = []
+  largest_first = sorted(groups(params, dims, axes), key=lambda g: -g[0] * g[1] * g[1] * g[2])
+  for rank, (b, m, n) in enumerate(largest_first):
+    x = jax.random.normal(rng, (b, m, n), jnp.bfloat16)
+    t = {impl: time_ms(jax.jit(lambda x, impl=impl: newton_schulz(x, implementation=impl)), x)
+         for impl in ("xla", ours)}
+    lines.append(f"| {b} x {m} x {n} | {t['xla']:.3f} | {t[ours]:.3f} | {t['xla'] / t[ours]:.2f} |")
+    print(lines[-1], flush=True)
+    save(f"(the run ended after {rank + 1} of {len(largest_first)} groups)")
+    for text in args.sweep if rank == 0 else ():
+      rows, depth, warps, stages = (int(v) for v in text.split(","))
+      blocks = Blocks(rows=rows, depth=depth, tuning=Tuning(warps, stages))
+      s = jax.random.normal(rng, (b, m, m), jnp.bfloat16)
+      s = (s + jnp.swapaxes(s, 1, 2)).astype(jnp.bfloat16)
+      t1 = time_ms(jax.jit(lambda x, blocks=blocks: gram_poly(x, implementation=ours, blocks=blocks)), x)
+      t2 = time_ms(jax.jit(lambda s, blocks=blocks: gram_poly(s, *NS_COEFFS[::-1], implementation=ours,
+                                                              blocks=blocks)), s)
+      sweep.append(f"| {text} | {t1:.3f} | {t2:.3f} |")
+      print(f"  sweep {text}: X X^T {t1:.3f} ms, P {t2:.3f} ms", flush=True)
+  if sweep:
+    lines += ["", f"Blocks on the largest group ({largest_first[0][0]} x {largest_first[0][1]} x "
+              f"{largest_first[0][2]}), one call of each kernel, ms:", "",
+              "| rows, depth, warps, stages | X X^T | P |", "|---|---|---|", *sweep]
   publish(None if args.smoke else args.out, SECTION, lines)
 
 
