@@ -25,8 +25,8 @@ attention over the whole row for MLA (benchmarks/flops.py). Rematerialisation is
 
 Components are timed alone, forward and backward, on the step's own shapes (one layer each), then
 multiplied by how often the model holds them; "rest" is the step minus their sum (AttnRes, the
-embedding, the balance update, glue). The 1M-token step runs in a child process so its peak memory
-is its own.
+embedding, the balance update, glue). The 1M-token step runs first, in a child process, so that its
+peak memory is its own and the card is free for it.
 """
 
 import argparse
@@ -547,17 +547,18 @@ def main():
   # 36 s instead of 77 (compile + run, 2 cores). Training keeps threefry. (On the H200 itself RBG did
   # not shorten it: 135-152 s either way, hence the host.)
   jax.config.update("jax_default_prng_impl", "rbg")
-  if args.only in ("step", "profile", "components"):
-    # XLA's allocator takes 75% of the card by default: 60 GiB of an 80 GiB H100, on which the 8K
-    # step of experiments/h200.py (70.8 GiB at its peak) ran out of memory. Not where this process
-    # also starts the 1M child (no --only), which asks 95% of the card for itself.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   if args.smoke:
     args.long_seq, args.steps, args.mean_doc = min(args.long_seq, 1024), min(args.steps, 2), 100
   if args.long_child:
     print("LONG " + json.dumps(run_long(args)), flush=True)
     return
 
+  # The 1M-token child runs first, while this process holds no GPU memory: a JAX process keeps the
+  # memory its allocator took until it exits, and the child needs most of the card.
+  long_lines = bench_long(args) if args.only in (None, "long") else None
+  # Then this process may take 95% of the card too, not XLA's default 75%: 60 GiB of an 80 GiB H100,
+  # on which the 8K step of experiments/h200.py (70.8 GiB at its peak) ran out of memory.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   device = jax.devices()[0].device_kind
   command = "python benchmarks/step.py " + " ".join(sys.argv[1:])
 
@@ -576,10 +577,10 @@ def main():
   if args.only == "profile":
     write(PROFILE_SECTION, bench_profile(args))
     return
-  if args.only != "long":
+  if long_lines is not None:
+    write(LONG_SECTION, long_lines)
+  if args.only in (None, "step"):
     write(SECTION, bench_step(args, device, write))
-  if args.only != "step":
-    write(LONG_SECTION, bench_long(args))
 
 
 if __name__ == "__main__":
