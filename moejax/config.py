@@ -19,6 +19,7 @@ MLA_ATTENTIONS = ("auto", "xla", "cudnn", "pallas", "interpret")
 RESIDUAL_MODES = ("attnres", "residual")
 KDA_IMPLEMENTATIONS = (None, "xla", "pallas", "interpret", "recurrent")
 CONV_IMPLEMENTATIONS = ("xla", "pallas", "interpret")
+NS_IMPLEMENTATIONS = ("xla", "pallas", "interpret")  # moejax.muon.newton_schulz
 
 
 class ConfigError(ValueError):
@@ -312,8 +313,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
        "optim.warmup_steps, grad_clip and qk_clip_tau must be >= 0")
   need(o.muon_ns_dtype in ("bfloat16", "float32"),
        f"optim.muon_ns_dtype={o.muon_ns_dtype!r} must be 'bfloat16' or 'float32'")
-  need(o.muon_ns_implementation in ("xla", "pallas", "interpret"),
-       f"optim.muon_ns_implementation={o.muon_ns_implementation!r} must be 'xla', 'pallas' or 'interpret'")
+  need(o.muon_ns_implementation in NS_IMPLEMENTATIONS,
+       f"optim.muon_ns_implementation={o.muon_ns_implementation!r} not in {NS_IMPLEMENTATIONS}")
 
   t = config.train
   need(len(t.stages) > 0, "train.stages must list at least one (seq_len, steps, tokens_per_batch)")

@@ -92,3 +92,18 @@ def test_compiler_options_name_real_xla_options():
   assert options == {"xla_allow_excess_precision": False, "xla_gpu_enable_triton_gemm": False,
                      "xla_gpu_dot_merger_threshold_mb": 0}
   assert float(jax.jit(lambda x: x @ x, compiler_options=options)(2.0 * jax.numpy.eye(2))[0, 0]) == 4.0
+
+
+def test_config_choices_are_the_ops_implementations():
+  """config.py imports no JAX, so it lists each op's implementations itself: the lists must be the ops'
+  own (plus the config's 'auto' / None, and the MLA's cuDNN path), or a valid choice is refused."""
+  from moejax import config, muon
+  from pallas_kernels import attention, gmm, quantile, short_conv
+  from pallas_kernels.kda import api as kda
+
+  assert set(config.NS_IMPLEMENTATIONS) == set(muon.NS_IMPLEMENTATIONS)
+  assert set(config.CONV_IMPLEMENTATIONS) == set(short_conv.IMPLEMENTATIONS)
+  assert set(config.GROUPED_MATMULS) == {"auto", *gmm.IMPLEMENTATIONS}
+  assert set(config.BALANCE_IMPLEMENTATIONS) == {"auto", *quantile.ops.IMPLEMENTATIONS}
+  assert set(config.KDA_IMPLEMENTATIONS) == {None, *kda.IMPLEMENTATIONS}
+  assert set(config.MLA_ATTENTIONS) == {"auto", "cudnn", *attention.IMPLEMENTATIONS}
