@@ -68,6 +68,8 @@ def groups(params, dims, axes) -> list[tuple[int, int, int]]:
   leaves, treedef = jax.tree.flatten(params, is_leaf=is_masked)
   live = [(x, d, key) for x, d, key in zip(leaves, treedef.flatten_up_to(dims), treedef.flatten_up_to(axes),
                                             strict=True) if not is_masked(x)]
+  if not live:
+    return []
   xs, ds, keys = zip(*live, strict=True)
   found = []
   for idx in like_matrix_groups(xs, ds, keys).values():
@@ -132,13 +134,21 @@ def main():
   rng = jax.random.key(1)
   sweep = []
   largest_first = sorted(groups(params, dims, axes), key=lambda g: -g[0] * g[1] * g[1] * g[2])
+
+  def sweep_table() -> list[str]:
+    if not sweep:
+      return []
+    b, m, n = largest_first[0]
+    return ["", f"Blocks on the largest group ({b} x {m} x {n}), one call of each kernel, ms:", "",
+            "| rows, depth, warps, stages | X X^T | P |", "|---|---|---|", *sweep]
+
   for rank, (b, m, n) in enumerate(largest_first):
     x = jax.random.normal(rng, (b, m, n), jnp.bfloat16)
     t = {impl: time_ms(jax.jit(lambda x, impl=impl: newton_schulz(x, implementation=impl)), x)
          for impl in ("xla", ours)}
     lines.append(f"| {b} x {m} x {n} | {t['xla']:.3f} | {t[ours]:.3f} | {t['xla'] / t[ours]:.2f} |")
     print(lines[-1], flush=True)
-    save(f"(the run ended after {rank + 1} of {len(largest_first)} groups)")
+    save("\n".join([f"(the run ended after {rank + 1} of {len(largest_first)} groups)", *sweep_table()]))
     for text in args.sweep if rank == 0 else ():
       rows, depth, warps, stages = (int(v) for v in text.split(","))
       blocks = Blocks(rows=rows, depth=depth, tuning=Tuning(warps, stages))
@@ -149,10 +159,8 @@ def main():
                                                               blocks=blocks)), s)
       sweep.append(f"| {text} | {t1:.3f} | {t2:.3f} |")
       print(f"  sweep {text}: X X^T {t1:.3f} ms, P {t2:.3f} ms", flush=True)
-  if sweep:
-    lines += ["", f"Blocks on the largest group ({largest_first[0][0]} x {largest_first[0][1]} x "
-              f"{largest_first[0][2]}), one call of each kernel, ms:", "",
-              "| rows, depth, warps, stages | X X^T | P |", "|---|---|---|", *sweep]
+      save("\n".join(["(the run ended in the sweep, after the first group)", *sweep_table()]))
+  lines += sweep_table()
   publish(None if args.smoke else args.out, SECTION, lines)
 
 

@@ -26,7 +26,8 @@ attention over the whole row for MLA (benchmarks/flops.py). Rematerialisation is
 Components are timed alone, forward and backward, on the step's own shapes (one layer each), then
 multiplied by how often the model holds them; "rest" is the step minus their sum (AttnRes, the
 embedding, the balance update, glue). The 1M-token step runs first, in a child process, so that its
-peak memory is its own and the card is free for it.
+peak memory is its own and the card is free for it; where a time limit may cut the run off, `--only
+step` and `--only long` in separate calls keep the 8K step's table from waiting on the 1M compile.
 """
 
 import argparse
