@@ -89,6 +89,30 @@ def test_newton_schulz_flops_by_hand_and_matrix_list():
   assert not step.muon_matrices(step.load_config(H200, ["optim.name=adamw"], smoke=True), params, axes)
 
 
+def test_newton_schulz_benchmark_smoke():
+  """`newton_schulz.py --smoke --sweep` on the CPU (interpret mode): the whole update's two rows with
+  errors of bf16 size against float32 (a wrong kernel would be of order 1), one row per group whose
+  matrices add up to step.py's count of Muon's matrices, and the swept block's row."""
+  root = pathlib.Path(__file__).resolve().parent.parent
+  out = subprocess.run([sys.executable, str(root / "benchmarks" / "newton_schulz.py"), "--smoke",
+                        "--sweep", "32,16,4,2"], capture_output=True, text=True, timeout=600, cwd=root)
+  assert out.returncode == 0, out.stderr[-2000:]
+  lines = out.stdout.splitlines()
+  # The section as printed at the end (its rows were printed once before, as they came).
+  lines = lines[max(i for i, line in enumerate(lines) if line.startswith("The whole Muon update")):]
+  update = [line for line in lines if line.startswith(("| xla |", "| ours |"))]
+  assert len(update) == 2 and all(float(line.split("|")[-2]) < 0.1 for line in update), out.stdout
+  config = step.load_config(H200, [], smoke=True)
+  model = build_model(config)
+  abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 16), np.int32)))
+  from moejax.train_step import logical_axes
+  matrices = step.muon_matrices(config, nn.unbox(abstract["params"]), logical_axes(abstract["params"]))
+  groups = [line for line in lines if line.startswith("| ") and " x " in line.split("|")[1]
+            and line.split("|")[1].strip()[0].isdigit()]
+  assert sum(int(line.split("|")[1].split(" x ")[0]) for line in groups) == sum(b for b, _, _ in matrices)
+  assert any(line.startswith("| 32,16,4,2 |") for line in lines), out.stdout
+
+
 @pytest.mark.parametrize("row", [0, 15, 16, 47, 99])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_kda_finiteness_check_sees_every_slab(row, bad):
