@@ -55,13 +55,17 @@ def _axes(x, dims: MuonDimensionNumbers) -> tuple[tuple[int, ...], tuple[int, ..
   return tuple(a for a in range(x.ndim) if a not in red + out), red, out
 
 
+def _check_implementation(implementation: str) -> None:
+  if implementation not in NS_IMPLEMENTATIONS:
+    raise ValueError(f"unknown Newton-Schulz implementation {implementation!r}; expected one of "
+                     f"{NS_IMPLEMENTATIONS}")
+
+
 def newton_schulz(x_MN: jax.Array, steps: int = NS_STEPS, eps: float = 1e-8,
                   implementation: str = "xla") -> jax.Array:
   """The quintic iteration on the trailing [M, N] matrices of x (any leading batch axes), in x's
   dtype; the result is ~U V^T of each. `implementation`: one of NS_IMPLEMENTATIONS (module docstring)."""
-  if implementation not in NS_IMPLEMENTATIONS:
-    raise ValueError(f"unknown Newton-Schulz implementation {implementation!r}; expected one of "
-                     f"{NS_IMPLEMENTATIONS}")
+  _check_implementation(implementation)
   transpose = x_MN.shape[-2] > x_MN.shape[-1]
   if transpose:  # iterate on the short side: X X^T is m x m
     x_MN = jnp.swapaxes(x_MN, -2, -1)
@@ -179,9 +183,7 @@ def scale_by_muon(dimension_numbers, *, beta: float, consistent_rms: float, ns_d
   group_keys: an optional tree over the params of hashables (their logical axes): parameters of one
   shape and key are orthogonalised together (`orthogonalise_many`). Without it nothing is grouped."""
   ns_dtype = jnp.dtype(ns_dtype)
-  if ns_implementation not in NS_IMPLEMENTATIONS:
-    raise ValueError(f"unknown Newton-Schulz implementation {ns_implementation!r}; expected one of "
-                     f"{NS_IMPLEMENTATIONS}")
+  _check_implementation(ns_implementation)
   is_masked = lambda x: isinstance(x, optax.MaskedNode)
 
   def init(params):
