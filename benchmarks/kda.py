@@ -341,10 +341,11 @@ def sweep(args):
     q, k, v, g, beta, do = make_inputs(B, T, heads=Hs)
     g = g.astype(args.sweep_gates)
     doc = jnp.zeros((B, T), jnp.int32)
-    if first:
-      op_fwd, op_fb = kda_fns("pallas", Config(), chunk=C)
-      report(f"{at} whole op forward (default config)", op_fwd, q, k, v, g, beta)
-      report(f"{at} whole op forward + backward", op_fb, q, k, v, g, beta, do)
+    if first or args.sweep_configs:
+      for text, cfg in [("default config", Config())] + [(t, config_of(t)) for t in args.sweep_configs]:
+        op_fwd, op_fb = kda_fns("pallas", cfg, chunk=C)
+        report(f"{at} whole op forward ({text})", op_fwd, q, k, v, g, beta)
+        report(f"{at} whole op forward + backward ({text})", op_fb, q, k, v, g, beta, do)
     prep = lambda block, tuning, keep_solve=False, C=C: jax.jit(functools.partial(
         pallas_prep.prep_forward, chunk=C, block=min(block, D), scale=D**-0.5, prec=prec, store_dtype=bf,
         tuning=tuning, keep_solve=keep_solve, **kw))
@@ -386,6 +387,24 @@ def sweep(args):
     del states, dSn, dVp, Vp
 
 
+def config_of(text: str):
+  """A kda Config from 'field=value,field=value' (ints, true/false, or strings such as 'triton')."""
+  import dataclasses
+
+  from pallas_kernels.kda.pallas_op import Config
+
+  names = {f.name for f in dataclasses.fields(Config)}
+  fields = {}
+  for item in text.split(","):
+    name, eq, value = item.partition("=")
+    if not eq or name not in names:
+      raise SystemExit(f"--sweep-configs: {item!r} is not FIELD=VALUE with FIELD one of {sorted(names)}")
+    lowered = value.lower()
+    fields[name] = (int(value) if value.isdigit() else lowered == "true" if lowered in ("true", "false")
+                    else value)
+  return Config(**fields)
+
+
 def main_check(args):
   """Pallas vs the float32 reference on a mid-size problem, bf16 and float32, with segments and state."""
   jax, jnp = _jax()
@@ -414,6 +433,7 @@ def main_check(args):
 
 
 def main():
+  global SHAPES, H, D, INTERPRET
   p = argparse.ArgumentParser()
   p.add_argument("--fla-child")
   p.add_argument("--sweep", action="store_true")
@@ -434,6 +454,9 @@ def main():
   p.add_argument("--stress-only", action="store_true", help="only the T=1M run (ours, --chunk)")
   p.add_argument("--stress-heads", type=int, default=None, help="heads of the T=1M run (default H)")
   p.add_argument("--xla-max-t", type=int, default=1 << 30)
+  p.add_argument("--shapes", type=lambda s: tuple(int(x) for x in s.split("x")), nargs="+",
+                 help="BxT shapes of the table instead of " + " ".join(f"{b}x{t}" for b, t in SHAPES)
+                 + " (fla autotunes per shape: under a time limit, fewer shapes reach more)")
   pair = lambda s: tuple(int(x) for x in s.split(","))
   p.add_argument("--sweep-prep", type=pair, nargs="*", default=[(32, 2), (32, 4, 2), (32, 4), (64, 4)],
                  help="block,num_warps[,num_stages] for the prep kernels")
@@ -441,6 +464,9 @@ def main():
                  default=[(32, 4, 3), (16, 4, 3), (32, 4, 2), (16, 4, 2), (64, 4, 3)],
                  help="block_v,num_warps,num_stages triples for the scans")
   p.add_argument("--sweep-grads", type=pair, nargs="*", default=[(64, 4), (128, 8), (32, 4)])
+  p.add_argument("--sweep-configs", nargs="*", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
+                 help="--sweep also times the whole op with these kda Configs (e.g. block_v_fwd=16 or "
+                 "scan_fwd_lowering=triton), against the default one, at every --sweep-shapes shape")
   p.add_argument("--sweep-chunks", type=int, nargs="*", default=[32], help="chunk sizes for --sweep")
   p.add_argument("--sweep-shapes", type=lambda s: tuple(int(x) for x in s.split("x")), nargs="*",
                  help="BxTxH shapes for --sweep (default: the table's first and last, H=16); the first "
@@ -456,9 +482,12 @@ def main():
   if args.fla_child:
     return fla_child([tuple(map(int, s.split("x"))) for s in args.fla_child.split(",")], args.fla_ms)
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  if args.shapes:
+    if any(len(s) != 2 or min(s) < 1 for s in args.shapes):
+      p.error(f"--shapes takes BxT with positive B and T, got {args.shapes}")
+    SHAPES = tuple(args.shapes)
   if args.smoke:
-    global SHAPES, H, D, INTERPRET
-    SHAPES, H, D, INTERPRET = ((1, 128), (1, 192), (1, 256)), 2, 32, True
+    SHAPES, H, D, INTERPRET = SHAPES if args.shapes else ((1, 128), (1, 192), (1, 256)), 2, 32, True
     args.no_fla = True
   if args.check:
     return main_check(args)

@@ -63,7 +63,7 @@ from moejax.layers.mla import GatedMLA  # noqa: E402
 from moejax.layers.moe import MoE  # noqa: E402
 from moejax.loss import cross_entropy  # noqa: E402
 from moejax.model import SCANNED, build_model, layer_kinds  # noqa: E402
-from moejax.muon import NS_STEPS, matrix_sizes  # noqa: E402
+from moejax.muon import NS_STEPS, matrix_sizes, resolve_ns  # noqa: E402
 from moejax.optim import muon_dimension_numbers  # noqa: E402
 from moejax.parallel import mesh as meshlib  # noqa: E402
 from moejax.train_step import init_state, jit_train_step, state_shardings  # noqa: E402
@@ -422,7 +422,7 @@ def bench_step(args, device, write) -> list[str]:
       f"| bf16 matmul rate (XLA {matmul_n}^3, same call) | {peak_rate / 1e12:.1f} TFLOP/s |",
       f"| **MFU** (per device) | **{mfu:.1%}** (target 35%) |", f"| peak memory | {mem} |",
       f"| compile | {r['compile_s']:.0f} s |", f"| dropped tokens | {r['dropped']:.0f} |",
-      *optimizer_rows(config, r["params"], r["axes"], flops["total"] * tokens)]
+      *optimizer_rows(config, r["params"], r["axes"], flops["total"] * tokens, mesh)]
   # Written now, so that the step's figures survive a run cut off while it times the components.
   write(SECTION, lines + ["", "Components: not timed (the run ended before them)."])
   if args.no_components:
@@ -430,12 +430,13 @@ def bench_step(args, device, write) -> list[str]:
   return lines + component_table(config, batch, r["state"], r["optimizer"], step_ms)
 
 
-def optimizer_rows(config, params, axes, model_flops: float) -> list[str]:
+def optimizer_rows(config, params, axes, model_flops: float, mesh) -> list[str]:
   """Muon's orthogonalisation work per step, which MFU (model FLOPs) leaves out."""
   matrices = muon_matrices(config, params, axes)
   if not matrices:
     return []
-  kernels = config.optim.muon_ns_implementation != "xla"
+  with jax.set_mesh(mesh):
+    kernels = resolve_ns(config.optim.muon_ns_implementation) != "xla"
   ns = newton_schulz_flops(matrices, NS_STEPS, symmetric=kernels)
   return [f"| optimizer FLOPs (Muon Newton-Schulz in {config.optim.muon_ns_dtype}"
           f"{', symmetric products halved' if kernels else ''}, "

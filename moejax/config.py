@@ -19,7 +19,7 @@ MLA_ATTENTIONS = ("auto", "xla", "cudnn", "pallas", "interpret")
 RESIDUAL_MODES = ("attnres", "residual")
 KDA_IMPLEMENTATIONS = (None, "xla", "pallas", "interpret", "recurrent")
 CONV_IMPLEMENTATIONS = ("xla", "pallas", "interpret")
-NS_IMPLEMENTATIONS = ("xla", "pallas", "interpret")  # moejax.muon.newton_schulz
+NS_IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")  # moejax.muon.newton_schulz
 
 
 class ConfigError(ValueError):
@@ -148,8 +148,9 @@ def base_config() -> ml_collections.ConfigDict:
   # Its symmetric products: "xla" (einsums), "pallas" (GPU kernels that compute each mirrored pair of
   # tiles once: moejax/muon.py) or "interpret" (those kernels on the CPU, slow: for tests). Under a mesh
   # the kernels split the experts over `expert` but iterate a matrix split over fsdp/tensor whole on
-  # each of those devices, where "xla" shares its products out.
-  o.muon_ns_implementation = "xla"
+  # each of those devices, where "xla" shares its products out. "auto": "pallas" on a GPU unless the
+  # mesh splits matrices over fsdp or tensor, else "xla" (moejax.muon.resolve_ns).
+  o.muon_ns_implementation = "auto"
   o.qk_clip_tau = 0.0  # > 0 enables per-head QK-clip on MLA (reported MuonClip uses 100)
 
   t = c.train = ml_collections.ConfigDict()

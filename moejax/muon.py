@@ -18,7 +18,8 @@ iterated as one batch (`orthogonalise_many`): fewer, larger matmuls, the same ar
 
 `ns_implementation`: "xla" runs each step's three products as einsums; "pallas" (GPU) and "interpret"
 (CPU) run the two symmetric ones, S = X X^T and P = a I + b S + c S^2, as pallas_kernels.newton_schulz
-kernels that compute each pair of mirrored tiles once, and P X as an einsum.
+kernels that compute each pair of mirrored tiles once, and P X as an einsum. "auto" (`resolve_ns`) takes
+"pallas" on a GPU, unless the mesh splits the matrices themselves (fsdp, tensor), and "xla" elsewhere.
 """
 
 import math
@@ -33,7 +34,8 @@ from optax.contrib import MuonDimensionNumbers
 from moejax.parallel import mesh as meshlib
 from pallas_kernels import newton_schulz as ns_kernels
 
-NS_IMPLEMENTATIONS = ("xla",) + ns_kernels.IMPLEMENTATIONS
+NS_IMPLEMENTATIONS = ("auto", "xla") + ns_kernels.IMPLEMENTATIONS
+MATRIX_SPLITTING_AXES = ("fsdp", "tensor")  # mesh axes that split a weight matrix's own axes
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -61,11 +63,26 @@ def _check_implementation(implementation: str) -> None:
                      f"{NS_IMPLEMENTATIONS}")
 
 
+def resolve_ns(implementation: str) -> str:
+  """The Newton-Schulz implementation that runs, "auto" resolved at trace time. On a GPU, "auto" is
+  "pallas": on an H100 its whole Muon update over experiments/h200.py took 57.5 ms against 63.0 with
+  the einsums, at a third of their error against float32 (9.5e-3 against 3.4e-2; BENCHMARKS.md, "Muon
+  Newton-Schulz"). Under a mesh that splits matrices over fsdp or tensor the kernels would iterate each
+  such matrix whole on every device (`_matrices_per_device`), where the einsums share the products
+  out, so "auto" is "xla" there, as on every other backend."""
+  _check_implementation(implementation)
+  if implementation != "auto":
+    return implementation
+  mesh = jax.sharding.get_abstract_mesh()
+  split = not mesh.empty and any(mesh.shape.get(name, 1) > 1 for name in MATRIX_SPLITTING_AXES)
+  return "pallas" if jax.default_backend() == "gpu" and not split else "xla"
+
+
 def newton_schulz(x_MN: jax.Array, steps: int = NS_STEPS, eps: float = 1e-8,
                   implementation: str = "xla") -> jax.Array:
   """The quintic iteration on the trailing [M, N] matrices of x (any leading batch axes), in x's
   dtype; the result is ~U V^T of each. `implementation`: one of NS_IMPLEMENTATIONS (module docstring)."""
-  _check_implementation(implementation)
+  implementation = resolve_ns(implementation)
   transpose = x_MN.shape[-2] > x_MN.shape[-1]
   if transpose:  # iterate on the short side: X X^T is m x m
     x_MN = jnp.swapaxes(x_MN, -2, -1)
@@ -108,6 +125,7 @@ def orthogonalise(x: jax.Array, dims: MuonDimensionNumbers, ns_dtype, steps: int
   """NewtonSchulz5 of each matrix of x (float32) in ns_dtype, returned float32 in x's layout. The batch
   axes stay separate axes (not merged), so a sharded one (experts) stays sharded as it was.
   `logical_axes` (x's axis names) place the kernels' work under a mesh (`_matrices_per_device`)."""
+  implementation = resolve_ns(implementation)
   batch, red, out = _axes(x, dims)
   order = batch + red + out
   size = lambda axes: math.prod(x.shape[a] for a in axes)

@@ -207,6 +207,26 @@ def test_muon_ns_dtype_is_validated():
     small_config(name="muon", muon_ns_implementation="triton")
 
 
+def test_auto_newton_schulz_takes_the_kernels_on_a_gpu_unless_matrices_are_split(monkeypatch):
+  """"auto" is the config's default: "xla" off the GPU; on one, "pallas", except under a mesh that splits
+  the matrices themselves (fsdp, tensor), where the kernels would iterate each one whole per device."""
+  from moejax import muon
+  from moejax.parallel.mesh import make_mesh
+
+  assert base_config().optim.muon_ns_implementation == "auto"
+  assert muon.resolve_ns("auto") == "xla"  # the tests' CPU backend
+  assert muon.resolve_ns("interpret") == "interpret"
+  with pytest.raises(ValueError, match="Newton-Schulz implementation 'triton'"):
+    muon.resolve_ns("triton")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert muon.resolve_ns("auto") == "pallas"
+  assert muon.resolve_ns("xla") == "xla"
+  for sizes, want in [({"expert": 8}, "pallas"), ({"data": 2, "expert": 4}, "pallas"),
+                      ({"fsdp": 2, "expert": 4}, "xla"), ({"tensor": 2}, "xla")]:
+    with jax.set_mesh(make_mesh(**sizes)):
+      assert muon.resolve_ns("auto") == want, sizes
+
+
 def test_weight_decay_mask_of_the_model(model_axes):
   axes, _ = model_axes
   mask = traverse_util.flatten_dict(weight_decay_mask(traverse_util.unflatten_dict(axes)))
