@@ -205,6 +205,8 @@ def main_table(args):
   fns = {impl: kda_fns(impl.split("-")[0], config=pallas_config(args, merged=impl == "pallas-merged")
                        if impl.startswith("pallas") else None, chunk=args.chunk)
          for impl in args.impls.split(",")}
+  fns.update({f"pallas:{text}": kda_fns("pallas", config=config_of(text), chunk=args.chunk)
+              for text in args.table_configs})
   fla_all = {}
   if not args.no_fla:
     for B, T in SHAPES:
@@ -237,7 +239,8 @@ def main_table(args):
       ratio = (f"{tf / res['fla'][0]:.2f}", f"{tb / res['fla'][1]:.2f}") if "fla" in res else ("-", "-")
       name = {"pallas": "ours (pallas)", "pallas-merged": "ours (pallas, chunk pairs merged)",
               "xla": "ours (xla ref)",
-              "fla": "fla 0.6.0" + (" (DESIGN §7)" if fla is None else "")}[impl]
+              "fla": "fla 0.6.0" + (" (DESIGN §7)" if fla is None else "")}.get(
+                  impl, f"ours (pallas, {impl.partition(':')[2]})")
       rows.append((f"B={B} T={T}", name, f"{tf:.3f}", f"{tb:.3f}", *ratio, f"{tf / ff:.1f}",
                    f"{tb / fb:.1f}", "-" if err != err else f"{err:.1e}"))
       print(" | ".join(rows[-1]), flush=True)
@@ -467,6 +470,8 @@ def main():
   p.add_argument("--sweep-configs", nargs="*", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
                  help="--sweep also times the whole op with these kda Configs (e.g. block_v_fwd=16 or "
                  "scan_fwd_lowering=triton), against the default one, at every --sweep-shapes shape")
+  p.add_argument("--table-configs", nargs="*", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
+                 help="rows of ours (pallas) with these kda Configs too, as --sweep-configs")
   p.add_argument("--sweep-chunks", type=int, nargs="*", default=[32], help="chunk sizes for --sweep")
   p.add_argument("--sweep-shapes", type=lambda s: tuple(int(x) for x in s.split("x")), nargs="*",
                  help="BxTxH shapes for --sweep (default: the table's first and last, H=16); the first "
