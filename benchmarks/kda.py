@@ -391,17 +391,18 @@ def sweep(args):
 
 
 def config_of(text: str):
-  """A kda Config from 'field=value,field=value' (ints, true/false, or strings such as 'triton')."""
+  """A kda Config from 'field=value,field=value' (ints, true/false, or strings such as 'triton'); the
+  launch parameters (Tuning fields) are not settable this way. Raises ValueError on a bad text."""
   import dataclasses
 
   from pallas_kernels.kda.pallas_op import Config
 
-  names = {f.name for f in dataclasses.fields(Config)}
+  names = {f.name for f in dataclasses.fields(Config) if "Tuning" not in str(f.type)}
   fields = {}
   for item in text.split(","):
     name, eq, value = item.partition("=")
     if not eq or name not in names:
-      raise SystemExit(f"--sweep-configs: {item!r} is not FIELD=VALUE with FIELD one of {sorted(names)}")
+      raise ValueError(f"{item!r} is not FIELD=VALUE with FIELD one of {sorted(names)}")
     lowered = value.lower()
     fields[name] = (int(value) if value.isdigit() else lowered == "true" if lowered in ("true", "false")
                     else value)
@@ -484,6 +485,15 @@ def main():
   args = p.parse_args()
   if args.scan_lowering and len(args.scan_lowering.split(",")) != 2:
     p.error("--scan-lowering takes FWD,BWD, e.g. 'mosaic,triton'")
+  for option in ("sweep_configs", "table_configs"):
+    for text in getattr(args, option):
+      try:
+        config_of(text)
+      except ValueError as e:
+        p.error(f"--{option.replace('_', '-')}: {e}")
+  if not (args.sweep or args.check or args.stress_only or args.no_stress or args.fla_child) \
+      and "pallas" not in args.impls.split(","):
+    p.error("the T=1M run times ours (pallas): put pallas in --impls, or pass --no-stress")
   if args.fla_child:
     return fla_child([tuple(map(int, s.split("x"))) for s in args.fla_child.split(",")], args.fla_ms)
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -313,7 +313,7 @@ def layer_fwd_bwd(module, mutable):
   return jax.value_and_grad(loss, argnums=(0, 1))
 
 
-def component_times(config, batch, state, optimizer) -> list[tuple[str, int, float]]:
+def component_times(config, batch, state, optimizer, mesh) -> list[tuple[str, int, float]]:
   """(component, count in the model, ms of one forward+backward) for each part timed alone."""
   m = ml_collections.FrozenConfigDict(config.model)
   B, T = batch["tokens"].shape
@@ -346,7 +346,8 @@ def component_times(config, batch, state, optimizer) -> list[tuple[str, int, flo
   rows.append(("LM head + loss", 1, time_ms(jax.jit(jax.value_and_grad(head_loss, (0, 1))), head, x)))
   grads = jax.tree.map(jnp.ones_like, state.params)
   update = jax.jit(lambda g, s, p: optimizer.update(g, s, p))
-  rows.append(("optimizer update", 1, time_ms(update, grads, state.opt_state, state.params)))
+  with jax.set_mesh(mesh):  # the mesh the state lives on: Muon's "auto" and its kernels' placement read it
+    rows.append(("optimizer update", 1, time_ms(update, grads, state.opt_state, state.params)))
   return rows
 
 
@@ -427,7 +428,7 @@ def bench_step(args, device, write) -> list[str]:
   write(SECTION, lines + ["", "Components: not timed (the run ended before them)."])
   if args.no_components:
     return lines
-  return lines + component_table(config, batch, r["state"], r["optimizer"], step_ms)
+  return lines + component_table(config, batch, r["state"], r["optimizer"], step_ms, mesh)
 
 
 def optimizer_rows(config, params, axes, model_flops: float, mesh) -> list[str]:
@@ -444,12 +445,12 @@ def optimizer_rows(config, params, axes, model_flops: float, mesh) -> list[str]:
           f"| {ns / 1e12:.2f} T per step ({ns / model_flops:.0%} of the model's) |"]
 
 
-def component_table(config, batch, state, optimizer, step_ms: float | None) -> list[str]:
+def component_table(config, batch, state, optimizer, step_ms: float | None, mesh) -> list[str]:
   """Markdown rows of the components timed alone, with their share of a step of step_ms (if given)."""
   lines = ["", "Components timed alone (forward + backward, the step's shapes):", "",
            "| component | count | ms each | ms in all | share of the step |", "|---|---|---|---|---|"]
   accounted = 0.0
-  for name, count, ms in component_times(config, batch, state, optimizer):
+  for name, count, ms in component_times(config, batch, state, optimizer, mesh):
     accounted += count * ms
     share = f"{count * ms / step_ms:.0%}" if step_ms else "-"
     lines.append(f"| {name} | {count} | {ms:.2f} | {count * ms:.1f} | {share} |")
@@ -469,7 +470,7 @@ def bench_components(args) -> list[str]:
                                      " (for the LM head and the optimizer update)")
   where = f" (the step time, {args.step_ms} ms, is from an earlier run)" if args.step_ms else ""
   return [f"`{args.config}` at seq_len {seq_len}, {tokens} tokens per step, one device{where}.",
-          *component_table(config, batch, state, optimizer, args.step_ms)]
+          *component_table(config, batch, state, optimizer, args.step_ms, make_mesh({}))]
 
 
 def bench_profile(args) -> list[str]:
