@@ -48,9 +48,10 @@ class Config:
   # The forward alone (no gradient taken): the prep kernel merges each pair of chunks into one of twice
   # the size (pallas_tiles_fwd.merge_pair), so that the sequential state pass walks half as many, at
   # the doubled chunk's cost per step. At B=1 that pass is about half of the forward (BENCHMARKS.md,
-  # "KDA kernel"). Off: at B=2 T=8192 on an H100 it made the forward 13% slower (0.843 against 0.745
-  # ms, session 22); B=1 is not timed yet. A forward kept for the backward pass never merges: the
-  # backward reads the state at every chunk.
+  # "KDA kernel"). Off: on an H100 it made the forward 13% slower at B=2 T=8192 (0.843 against 0.745
+  # ms, session 22) and gained nothing at B=1 (T=32768: 1.945 against 1.948 ms; T=131072: 7.878
+  # against 7.761; session 23). A forward kept for the backward pass never merges: the backward reads
+  # the state at every chunk.
   merge_chunks: bool = False
 
   def __post_init__(self):
@@ -103,8 +104,10 @@ class Config:
     return "triton" if why is not None or interpret else "mosaic"
 
   def mosaic_block_v(self, V: int, backward: bool = False) -> int:
-    """The Mosaic scans' V block: 32 columns (16 took 1.8x as long in the forward at B=2 T=8192 H=16,
-    chunk 32)."""
+    """The Mosaic scans' V block: 32 columns, at every batch size. 16 took 1.8x as long in the forward at
+    B=2 T=8192 H=16, chunk 32; at B=1, where 16 doubles the programs from 64 to 128 for the H200's 132
+    SMs, the whole op was still slower with it (T=32768: forward 2.003 ms against 1.935, 16 in both
+    passes 1.979 / 6.549 against 1.935 / 6.331; session 23 on an H200)."""
     return min((self.block_v_bwd if backward else self.block_v_fwd) or 32, V)
 
   def block_v(self, chosen, B: int, H: int, V: int) -> int:
