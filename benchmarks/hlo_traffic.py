@@ -293,7 +293,7 @@ def compile_deviceless(config_path: str, overrides: list[str]) -> str:
   """The HLO text of the train step of `config_path` at its first stage's shape, compiled for an H200."""
   from benchmarks import deviceless
   from benchmarks.memory_plan import compile_step
-  from benchmarks.step import load_config
+  from benchmarks.step_setup import load_config
 
   deviceless.use_step_flags()
   config = load_config(config_path, overrides)

@@ -39,7 +39,7 @@ _COMMENT = re.compile(r"/\*.*?\*/")
 
 
 def plan_config(args):
-  from benchmarks.step import load_config, long_config
+  from benchmarks.step_setup import load_config, long_config
 
   overrides = list(args.set)
   if args.as_gpu:
@@ -60,7 +60,7 @@ def compile_step(config, batch: int, seq_len: int, sharding=None):
   import jax
   import jax.numpy as jnp
 
-  from benchmarks.step import synthetic_batch
+  from benchmarks.step_setup import synthetic_batch
   from moejax.model import build_model
   from moejax.train_step import init_state, jit_train_step
 
@@ -86,7 +86,7 @@ def compile_part(config, part: str, batch: int, seq_len: int):
   import jax
   import jax.numpy as jnp
 
-  from benchmarks.step import layer_fwd_bwd, layer_module
+  from benchmarks.step_components import layer_fwd_bwd, layer_module
 
   module, mutable = layer_module(config, part)
   x = jax.ShapeDtypeStruct((batch, seq_len, config.model.d_model), jnp.dtype(config.model.dtype))

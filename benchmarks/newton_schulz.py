@@ -43,7 +43,7 @@ def muon_side(config):
   import jax.numpy as jnp
   import optax
 
-  from benchmarks.step import abstract_state
+  from benchmarks.step_setup import abstract_state
   from moejax.model import build_model
   from moejax.optim import muon_dimension_numbers
 
@@ -83,7 +83,7 @@ def main():
   import jax
   import jax.numpy as jnp
 
-  from benchmarks.step import load_config
+  from benchmarks.step_setup import load_config
   from moejax.muon import NS_COEFFS, newton_schulz, scale_by_muon
   from pallas_kernels.kda.pallas_backend import Tuning
   from pallas_kernels.newton_schulz import Blocks, gram_poly

@@ -25,14 +25,16 @@ attention over the whole row for MLA (benchmarks/flops.py). Rematerialisation is
 
 Components are timed alone, forward and backward, on the step's own shapes (one layer each), then
 multiplied by how often the model holds them; "rest" is the step minus their sum (AttnRes, the
-embedding, the balance update, glue). The 1M-token step runs first, in a child process, so that its
-peak memory is its own and the card is free for it; where a time limit may cut the run off, `--only
-step` and `--only long` in separate calls keep the 8K step's table from waiting on the 1M compile.
+embedding, the balance update, glue): benchmarks/step_components.py. The config, batches, mesh, state
+and FLOP count come from benchmarks/step_setup.py.
+
+The 1M-token step runs first, in a child process, so that its peak memory is its own and the card is
+free for it; where a time limit may cut the run off, `--only step` and `--only long` in separate calls
+keep the 8K step's table from waiting on the 1M compile.
 """
 
 import argparse
 import concurrent.futures
-import contextlib
 import datetime
 import json
 import os
@@ -42,31 +44,36 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from benchmarks import trace_parts  # noqa: E402
-from benchmarks.flops import (  # noqa: E402
-  causal_attention_forward_flops_per_token,
-  kda_forward_flops_per_token,
-  newton_schulz_flops,
-)
+from benchmarks.flops import newton_schulz_flops  # noqa: E402
 from benchmarks.report import replace_section  # noqa: E402
-from benchmarks.timing import matmul_rate, time_ms  # noqa: E402
-from moejax.config import load_experiment, validate  # noqa: E402
-from moejax.layers.ffn import SiTUGLU  # noqa: E402
-from moejax.layers.kda import KDA  # noqa: E402
+from benchmarks.step_components import component_table  # noqa: E402
+from benchmarks.step_setup import (  # noqa: E402
+  LONG_SEQ,
+  abstract_state,
+  init_on_host,
+  load_config,
+  log,
+  long_config,
+  make_mesh,
+  model_flops_per_token,
+  muon_matrices,
+  parse_mesh,
+  peak_memory_bytes,
+  synthetic_batch,
+  total_steps,
+)
+from benchmarks.timing import matmul_rate  # noqa: E402
 from moejax.layers.mla import GatedMLA  # noqa: E402
-from moejax.layers.moe import MoE  # noqa: E402
-from moejax.loss import cross_entropy  # noqa: E402
-from moejax.model import SCANNED, build_model, layer_kinds  # noqa: E402
-from moejax.muon import NS_STEPS, matrix_sizes, resolve_ns  # noqa: E402
-from moejax.optim import muon_dimension_numbers  # noqa: E402
+from moejax.model import build_model  # noqa: E402
+from moejax.muon import NS_STEPS, resolve_ns  # noqa: E402
 from moejax.parallel import mesh as meshlib  # noqa: E402
-from moejax.train_step import init_state, jit_train_step, state_shardings  # noqa: E402
+from moejax.train_step import jit_train_step, state_shardings  # noqa: E402
 
 SECTION = "Training step"
 LONG_SECTION = "Training step at 1M tokens"
@@ -76,147 +83,6 @@ PROFILE_SECTION = "Training step profile"
 FUSION_MIN_MS = 0.15
 PROFILED_STEPS = 2
 XLA_FLAGS = "--xla_gpu_enable_triton_gemm=false"  # why: main()
-LONG_SEQ = 1 << 20
-LONG_CHUNK = 1 << 17  # tokens per pass of the routed experts and the dense FFNs at T=1M
-LONG_KDA_PIECE = 1 << 19  # tokens per pass of a KDA layer at T=1M (experiments/1m.py says why)
-_START = time.perf_counter()
-
-
-def log(msg: str) -> None:
-  """Progress with the seconds since start, so a run cut off by a time limit still says where it was."""
-  print(f"[{time.perf_counter() - _START:6.0f} s] {msg}", flush=True)
-
-
-def load_config(path: str, overrides: list[str], smoke: bool = False):
-  """The experiment's get_config(), shrunk by `smoke_config` if asked, then `key=value` overrides
-  (parsed to the field's type), validated."""
-  config = load_experiment(path)
-  if smoke:
-    config = smoke_config(config)
-  for item in overrides:
-    key, sep, value = item.partition("=")
-    if not sep:
-      raise ValueError(f"--set wants key=value, got {item!r}")
-    *parents, leaf = key.split(".")
-    node = config
-    for p in parents:
-      node = node[p]
-    old = node[leaf]
-    if isinstance(old, bool):
-      node[leaf] = value.lower() in ("1", "true", "yes")
-    elif isinstance(old, int | float):
-      node[leaf] = type(old)(value)
-    else:
-      node[leaf] = value
-  return validate(config)
-
-
-def smoke_config(config):
-  """Shrinks a config to CPU size, keeping its layer pattern, balance mode and optimiser."""
-  m = config.model
-  config.data.vocab_size = 512
-  m.update(d_model=64, num_layers=4, dtype="float32")
-  m.kda.update(num_heads=2, head_k_dim=32, head_v_dim=32, gate_rank=16, chunk_size=64)
-  m.mla.update(num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32, v_head_dim=32)
-  m.attnres.block_size = 4
-  m.ffn.hidden_dim = 128
-  m.moe.update(num_experts=8, top_k=2, shared_hidden_dim=64, latent_dim=32, expert_hidden_dim=32)
-  config.train.stages = ((256, 10, 512),)
-  return config
-
-
-def synthetic_batch(config, batch: int, seq_len: int, mean_doc: int, seed: int = 0) -> dict:
-  rng = np.random.default_rng(seed)
-  tokens = rng.integers(0, config.model.vocab_size, (batch, seq_len + 1), dtype=np.int32)
-  lengths = rng.geometric(1.0 / max(mean_doc, 1), size=(batch, seq_len))
-  segment_ids = np.zeros((batch, seq_len), np.int32)
-  for b in range(batch):
-    starts = np.minimum(np.cumsum(lengths[b]), seq_len)
-    segment_ids[b] = 1 + np.searchsorted(starts, np.arange(seq_len), side="right")
-  return {"tokens": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:]),
-          "segment_ids": jnp.asarray(segment_ids), "loss_mask": jnp.ones((batch, seq_len), jnp.float32)}
-
-
-def model_flops_per_token(config, params, seq_len: int) -> dict:
-  """Training FLOPs per token by part (3 x forward; see the module docstring)."""
-  m, e = config.model, config.model.moe
-  matmul = 0.0
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    keys = [str(getattr(k, "key", k)) for k in path]
-    if leaf.ndim - (keys[0] == SCANNED) < 2 or (keys[-1] == "embedding" and not m.tie_embeddings):
-      continue
-    share = e.top_k / e.num_experts if keys[-1].startswith("expert_") else 1.0
-    matmul += 2 * leaf.size * share
-  kinds = [mixer for mixer, _ in layer_kinds(m)]
-  kda = kinds.count("kda") * kda_forward_flops_per_token(m.kda.num_heads, m.kda.head_k_dim,
-                                                          m.kda.head_v_dim, m.kda.chunk_size)
-  mla = kinds.count("mla") * causal_attention_forward_flops_per_token(
-      m.mla.num_heads, m.mla.qk_nope_head_dim, m.mla.v_head_dim, seq_len)
-  parts = {"matmul weights": 3 * matmul, "KDA chunked form": 3 * kda, "MLA attention": 3 * mla}
-  return {**parts, "total": sum(parts.values())}
-
-
-def muon_matrices(config, params, axes) -> list[tuple[int, int, int]]:
-  """(batch, reduction, output) sizes of every matrix Muon orthogonalises (none under AdamW)."""
-  if config.optim.name != "muon":
-    return []
-  dims = jax.tree.leaves(muon_dimension_numbers(axes), is_leaf=lambda d: d is None or isinstance(d, tuple))
-  return [matrix_sizes(p, d) for p, d in zip(jax.tree.leaves(params), dims, strict=True) if d is not None]
-
-
-def peak_memory_bytes() -> float | None:
-  stats = jax.local_devices()[0].memory_stats()
-  return None if not stats else float(stats.get("peak_bytes_in_use", float("nan")))
-
-
-def make_mesh(sizes: dict[str, int]):
-  """A data x fsdp x expert x tensor mesh with Auto axes: XLA propagates the shardings that the
-  params and the batch bring, and the MoE layer shard_maps its experts over `expert`."""
-  return meshlib.make_mesh(**sizes, axis_types=(jax.sharding.AxisType.Auto,) * len(meshlib.MESH_AXES))
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-  """"data=2,expert=4" -> {"data": 2, "expert": 4}; "" -> one device on every axis."""
-  sizes = {}
-  for part in filter(None, text.split(",")):
-    name, sep, value = part.partition("=")
-    if not sep or name not in meshlib.MESH_AXES:
-      raise ValueError(f"--mesh wants axis=size pairs over {meshlib.MESH_AXES}, got {part!r}")
-    sizes[name] = int(value)
-  return sizes
-
-
-def total_steps(config) -> int:
-  return sum(s[1] for s in config.train.stages)
-
-
-def init_on_host(model, config, why: str = ""):
-  """init_state, run on the host CPU (the state then goes to the first local device): on the H200 the
-  same jitted initialisation took 135-152 s of device time per run (2026-12-03), most of a call's
-  budget before the step compiled."""
-  try:
-    host = jax.devices("cpu")[0]
-  except RuntimeError:
-    host = None
-  t0 = time.perf_counter()
-  log(f"initialising the state{why} on {host.platform if host else 'the accelerator (no CPU backend)'}")
-  with jax.default_device(host) if host else contextlib.nullcontext():
-    out = init_state(model, config, jax.random.key(0), total_steps(config))
-  log(f"initialised in {time.perf_counter() - t0:.0f} s")
-  return out
-
-
-def abstract_state(model, config):
-  """(the state's shapes, optimizer, logical axes) by tracing init_state alone: what compiling the step
-  needs. The optimizer and axes are not arrays, so they leave the trace by the closure."""
-  made = {}
-
-  def state_only(rng):
-    state, made["optimizer"], made["axes"] = init_state(model, config, rng, total_steps(config))
-    return state
-
-  shapes = jax.eval_shape(state_only, jax.random.key(0))
-  return shapes, made["optimizer"], made["axes"]
 
 
 def time_steps(config, batch, steps: int, mesh, warmup: int = 1, profile_dir: str | None = None) -> dict:
@@ -283,89 +149,6 @@ def _time_steps(step, state, batch, steps, optimizer, warmup: int, profile_dir: 
   return {"step_s": seconds, "loss": loss, "params": state.params,
           "dropped": float(metrics.get("moe/dropped", 0.0)), "optimizer": optimizer, "state": state,
           "profile": profile}
-
-
-def layer_module(config, kind: str):
-  """(module, mutable collections) of one layer of `kind` ("kda", "mla", "moe" or "ffn", the dense
-  SiTU-GLU) as the train step runs it: MLA with its max-logit pass when QK-clip is on."""
-  m = ml_collections.FrozenConfigDict(config.model)
-  if kind == "kda":
-    return KDA(m), ()
-  if kind == "mla":
-    return GatedMLA(m), ("attn_stats",) if config.optim.qk_clip_tau > 0 else ()
-  if kind == "moe":
-    return MoE(m), ("router",)
-  if kind == "ffn":
-    return SiTUGLU(m.ffn.hidden_dim, m.ffn.situ_b1, m.ffn.situ_b2, dtype=jnp.dtype(m.dtype),
-                   param_dtype=jnp.dtype(m.param_dtype), token_chunk=m.ffn.token_chunk), ()
-  raise ValueError(f"no layer kind {kind!r}")
-
-
-def layer_fwd_bwd(module, mutable):
-  """(params, x, segment_ids, other collections) -> (loss, (dparams, dx)) of one layer alone, with
-  loss = 1e-6 * sum(y^2)."""
-  def loss(p, x, seg, rest):
-    out = module.apply({"params": p, **rest}, x, seg, mutable=list(mutable)) if mutable else \
-        module.apply({"params": p, **rest}, x, seg)
-    y = out[0] if mutable else out
-    return jnp.sum(y.astype(jnp.float32) ** 2) * 1e-6
-
-  return jax.value_and_grad(loss, argnums=(0, 1))
-
-
-def component_times(config, batch, state, optimizer, mesh) -> list[tuple[str, int, float]]:
-  """(component, count in the model, ms of one forward+backward) for each part timed alone."""
-  m = ml_collections.FrozenConfigDict(config.model)
-  B, T = batch["tokens"].shape
-  x = jax.random.normal(jax.random.key(1), (B, T, m.d_model), jnp.dtype(m.dtype))
-  seg = batch["segment_ids"]
-  kinds = layer_kinds(m)
-  rows = []
-
-  def layer(name, kind, count):
-    module, mutable = layer_module(config, kind)
-    variables = jax.jit(module.init)(jax.random.key(2), x, seg)
-    rest = {k: v for k, v in variables.items() if k != "params"}
-    fn = jax.jit(layer_fwd_bwd(module, mutable))
-    rows.append((name, count, time_ms(fn, variables["params"], x, seg, rest)))
-    log(f"  timed {name}: {rows[-1][2]:.2f} ms")
-
-  layer("KDA layer", "kda", sum(k == "kda" for k, _ in kinds))
-  layer("MLA layer", "mla", sum(k == "mla" for k, _ in kinds))
-  if any(f == "moe" for _, f in kinds):
-    layer("MoE layer", "moe", sum(f == "moe" for _, f in kinds))
-  if any(f == "dense" for _, f in kinds):
-    layer("dense FFN", "ffn", sum(f == "dense" for _, f in kinds))
-
-  head = state.params["embedding"].T if m.tie_embeddings else state.params["head"]
-
-  def head_loss(w, h):
-    return cross_entropy(h, w, batch["targets"], batch["loss_mask"], z_loss_weight=m.loss.z_loss_weight,
-                         chunk=m.loss.chunk_tokens)[0]
-
-  rows.append(("LM head + loss", 1, time_ms(jax.jit(jax.value_and_grad(head_loss, (0, 1))), head, x)))
-  grads = jax.tree.map(jnp.ones_like, state.params)
-  update = jax.jit(lambda g, s, p: optimizer.update(g, s, p))
-  with jax.set_mesh(mesh):  # the mesh the state lives on: Muon's "auto" and its kernels' placement read it
-    rows.append(("optimizer update", 1, time_ms(update, grads, state.opt_state, state.params)))
-  return rows
-
-
-def long_config(config, seq_len: int):
-  """The settings of the long step: one row of seq_len tokens, remat full, and the layers in pieces
-  (experiments/1m.py's: routed experts and dense FFNs over 128K tokens at a time, KDA layers over
-  512K), each piece size kept where the config or --set chose one."""
-  config.model.remat = "full"
-  m = config.model
-  m.moe.token_chunk = m.moe.token_chunk or min(seq_len, LONG_CHUNK)
-  m.ffn.token_chunk = m.ffn.token_chunk or min(seq_len, LONG_CHUNK)
-  m.kda.seq_chunk = m.kda.seq_chunk or min(seq_len, LONG_KDA_PIECE)
-  # QK-clip off, and said so: where the attention is not the Pallas kernel, its max-logit statistic is a
-  # blockwise O(T^2) pass of its own. (experiments/1m.py keeps it on; with the Pallas kernel the
-  # statistic comes from the attention's forward pass, but no 1M step with it on has been timed.)
-  config.optim.qk_clip_tau = 0.0
-  config.train.stages = ((seq_len, 3, seq_len),)
-  return validate(config)
 
 
 def run_long(args) -> dict:
@@ -443,23 +226,6 @@ def optimizer_rows(config, params, axes, model_flops: float, mesh) -> list[str]:
           f"{', symmetric products halved' if kernels else ''}, "
           f"{sum(b for b, _, _ in matrices):,} matrices; not in MFU) "
           f"| {ns / 1e12:.2f} T per step ({ns / model_flops:.0%} of the model's) |"]
-
-
-def component_table(config, batch, state, optimizer, step_ms: float | None, mesh) -> list[str]:
-  """Markdown rows of the components timed alone, with their share of a step of step_ms (if given)."""
-  lines = ["", "Components timed alone (forward + backward, the step's shapes):", "",
-           "| component | count | ms each | ms in all | share of the step |", "|---|---|---|---|---|"]
-  accounted = 0.0
-  for name, count, ms in component_times(config, batch, state, optimizer, mesh):
-    accounted += count * ms
-    share = f"{count * ms / step_ms:.0%}" if step_ms else "-"
-    lines.append(f"| {name} | {count} | {ms:.2f} | {count * ms:.1f} | {share} |")
-  if step_ms:
-    rest = step_ms - accounted
-    lines.append(f"| rest (AttnRes, embedding, balance, glue) | | | {rest:.1f} | {rest / step_ms:.0%} |")
-  else:
-    lines.append(f"| sum | | | {accounted:.1f} | - |")
-  return lines
 
 
 def bench_components(args) -> list[str]:

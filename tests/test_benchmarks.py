@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks import attention, kda, step  # noqa: E402
+from benchmarks import attention, kda, step_setup  # noqa: E402
 from benchmarks.flops import causal_attention_forward_flops_per_token, kda_forward_flops_per_token  # noqa: E402
 from moejax.model import build_model  # noqa: E402
 from moejax.params import count_params  # noqa: E402
@@ -25,7 +25,7 @@ def test_matmul_flops_are_six_per_active_weight(scan):
   """3 x (2 per active matmul weight): the parameter counter's active total less the embedding table
   (a gather) and the vectors (norm scales, AttnRes queries), which do no matmul work per token; the
   same with scanned layers, whose stacked vectors have a leading layers axis."""
-  config = step.load_config(H200, [f"model.scan_layers={scan}", "model.num_layers=12"], smoke=True)
+  config = step_setup.load_config(H200, [f"model.scan_layers={scan}", "model.num_layers=12"], smoke=True)
   model = build_model(config)
   abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 16), np.int32)))
   params = nn.unbox(abstract["params"])
@@ -33,7 +33,7 @@ def test_matmul_flops_are_six_per_active_weight(scan):
   vectors = sum(leaf.size for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
                 if leaf.ndim - stacked(path) < 2)
   embedding = params["embedding"].size
-  flops = step.model_flops_per_token(config, params, seq_len=256)
+  flops = step_setup.model_flops_per_token(config, params, seq_len=256)
   assert flops["matmul weights"] == pytest.approx(6 * (count_params(config)["active"] - embedding - vectors))
   m = config.model
   assert flops["KDA chunked form"] == pytest.approx(3 * 9 * kda_forward_flops_per_token(
@@ -51,9 +51,9 @@ def test_flop_formulas_by_hand():
 
 
 def test_synthetic_batch_is_packed_documents():
-  config = step.load_config(H200, ["model.moe.top_k=3", "model.remat=full"], smoke=True)
+  config = step_setup.load_config(H200, ["model.moe.top_k=3", "model.remat=full"], smoke=True)
   assert config.model.moe.top_k == 3 and config.model.remat == "full"  # overrides come after the shrink
-  b = step.synthetic_batch(config, 2, 512, mean_doc=50)
+  b = step_setup.synthetic_batch(config, 2, 512, mean_doc=50)
   seg = np.asarray(b["segment_ids"])
   assert seg.shape == (2, 512) and seg.min() >= 1 and np.all(np.diff(seg, axis=1) >= 0)
   assert 3 < len(np.unique(seg[0])) < 60  # about 512 / 50 documents
@@ -76,17 +76,18 @@ def test_newton_schulz_flops_by_hand_and_matrix_list():
   assert newton_schulz_flops([(2, 5, 3)]) == 2 * 5 * (4 * 9 * 5 + 2 * 27)
   # The symmetric X X^T and A A as lower triangles: half of each.
   assert newton_schulz_flops([(2, 5, 3)], symmetric=True) == 2 * 5 * (9 * 5 + 27 + 2 * 9 * 5)
-  config = step.load_config(H200, [], smoke=True)
+  config = step_setup.load_config(H200, [], smoke=True)
   model = build_model(config)
   abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 16), np.int32)))
   from moejax.train_step import logical_axes
   axes, params = logical_axes(abstract["params"]), nn.unbox(abstract["params"])
-  matrices = step.muon_matrices(config, params, axes)
+  matrices = step_setup.muon_matrices(config, params, axes)
   # Every expert matrix is one entry per expert; the router, embedding, head and vectors are not there.
   m = config.model
   assert (m.moe.num_experts, m.moe.latent_dim, m.moe.expert_hidden_dim) in matrices
   assert (1, m.d_model, m.moe.num_experts) not in matrices
-  assert not step.muon_matrices(step.load_config(H200, ["optim.name=adamw"], smoke=True), params, axes)
+  adamw = step_setup.load_config(H200, ["optim.name=adamw"], smoke=True)
+  assert not step_setup.muon_matrices(adamw, params, axes)
 
 
 def test_newton_schulz_benchmark_smoke():
@@ -102,11 +103,11 @@ def test_newton_schulz_benchmark_smoke():
   lines = lines[max(i for i, line in enumerate(lines) if line.startswith("The whole Muon update")):]
   update = [line for line in lines if line.startswith(("| xla |", "| ours |"))]
   assert len(update) == 2 and all(float(line.split("|")[-2]) < 0.1 for line in update), out.stdout
-  config = step.load_config(H200, [], smoke=True)
+  config = step_setup.load_config(H200, [], smoke=True)
   model = build_model(config)
   abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 16), np.int32)))
   from moejax.train_step import logical_axes
-  matrices = step.muon_matrices(config, nn.unbox(abstract["params"]), logical_axes(abstract["params"]))
+  matrices = step_setup.muon_matrices(config, nn.unbox(abstract["params"]), logical_axes(abstract["params"]))
   groups = [line for line in lines if line.startswith("| ") and " x " in line.split("|")[1]
             and line.split("|")[1].strip()[0].isdigit()]
   assert sum(int(line.split("|")[1].split(" x ")[0]) for line in groups) == sum(b for b, _, _ in matrices)

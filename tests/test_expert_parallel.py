@@ -266,18 +266,18 @@ def test_train_step_on_a_data_x_expert_mesh_matches_one_device():
   import sys
 
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-  from benchmarks import step as step_bench
+  from benchmarks import step_setup
   from moejax.model import build_model
   from moejax.train_step import init_state, jit_train_step, make_train_step, state_shardings
 
   # Newton-Schulz in float32: bf16 rounding would turn the float noise between the two placements'
   # gradients into update differences beyond this test's tolerance.
-  config = step_bench.load_config(str(pathlib.Path(__file__).parent.parent / "experiments" / "h200.py"),
+  config = step_setup.load_config(str(pathlib.Path(__file__).parent.parent / "experiments" / "h200.py"),
                                   ["model.moe.balance=sign", "optim.muon_ns_dtype=float32"], smoke=True)
   model = build_model(config)
   state, optimizer, axes = init_state(model, config, jax.random.key(0), 10)
-  batch = step_bench.synthetic_batch(config, 8, 64, mean_doc=20)
-  mesh = step_bench.make_mesh({"data": 2, "expert": 4})
+  batch = step_setup.synthetic_batch(config, 8, 64, mean_doc=20)
+  mesh = step_setup.make_mesh({"data": 2, "expert": 4})
   shardings = state_shardings(state, axes, mesh)
   sharded = jax.device_put(state, shardings)
   assert sharded.params["layer_1"]["moe"]["expert_gate"].sharding.spec[0] == "expert"
