@@ -5,7 +5,15 @@
   python benchmarks/kda.py --check          # GPU correctness only (Pallas vs the float32 reference)
 
 fla runs in a child process (torch and JAX apart); inputs and its outputs travel as raw bf16 bits
-through /dev/shm. Times are medians of back-to-back runs on device (JAX: k calls between syncs; torch:
+through /dev/shm. Its first call autotunes each kernel (253 s for two shapes on an H100, more than
+220 s for one on an H200: most of a device call). `--fla-tune-cache DIR` keeps the results (Triton's
+`*.autotune.json` files) in DIR/<GPU model>; pack them for the next machine with
+  (cd DIR && find . -name '*.autotune.json' | tar czf $OUT/fla_tune.tgz -T -)
+and unpack them into DIR (`mkdir -p DIR && tar xzf fla_tune.tgz -C DIR`) for the next call, which
+carries DIR (e.g. .triton_cache, git-ignored): fla then compiles only the configs it had chosen. Not
+yet tried on a GPU.
+
+Times are medians of back-to-back runs on device (JAX: k calls between syncs; torch:
 triton.testing.do_bench). Errors are ||x - ref|| / ||ref|| against the float32 XLA reference on the same
 bf16 inputs, taken as the worst over o, dq, dk, dv, dg, dbeta.
 """
@@ -165,13 +173,31 @@ def read_fla_outputs(B, T):
           for n in ("o", "dq", "dk", "dv", "dg", "dbeta")]
 
 
-def run_fla(shapes, reps_ms, timeout_s):
+def fla_tune_dir(tune_cache: str, device: str) -> pathlib.Path:
+  """The Triton cache folder of fla's child for this GPU model: one per model, because Triton keys its
+  autotuning results by the compile target (sm_90 for both the H100 and the H200), not by the card."""
+  return pathlib.Path(tune_cache) / ("".join(c if c.isalnum() else "_" for c in device).strip("_") or "gpu")
+
+
+def autotune_results(folder: pathlib.Path) -> int:
+  """How many kernels' autotuning results (Triton's `cache_results` files) the folder holds."""
+  return sum(1 for _ in folder.rglob("*.autotune.json")) if folder.is_dir() else 0
+
+
+def run_fla(shapes, reps_ms, timeout_s, tune_dir: pathlib.Path | None = None):
   """{(B, T): fla timings}, from one child process (no JAX in it). A child that outlives timeout_s
-  (its first call autotunes every kernel) is stopped, keeping the shapes it finished."""
+  (its first call autotunes every kernel) is stopped, keeping the shapes it finished. With tune_dir,
+  the child's Triton cache is there: fla's kernels autotune with Triton's `cache_results` (fla's
+  FLA_CACHE_RESULTS, on by default), so results kept from an earlier call skip their autotuning."""
   arg = ",".join(f"{B}x{T}" for B, T in shapes)
+  env = dict(os.environ)
+  if tune_dir is not None:
+    env.update(TRITON_CACHE_DIR=str(tune_dir), FLA_CACHE_RESULTS="1")
+    print(f"fla child: Triton cache {tune_dir}, {autotune_results(tune_dir)} autotuning results in it",
+          flush=True)
   try:
     out = subprocess.run([sys.executable, __file__, "--fla-child", arg, "--fla-ms", str(reps_ms)],
-                         capture_output=True, text=True, timeout=timeout_s)
+                         capture_output=True, text=True, timeout=timeout_s, env=env)
     stdout, stderr, failed = out.stdout, out.stderr, out.returncode != 0
   except subprocess.TimeoutExpired as e:
     text = lambda x: x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
@@ -212,8 +238,10 @@ def main_table(args):
     for B, T in SHAPES:
       write_inputs(B, T, make_inputs(B, T))
     t0 = time.perf_counter()
-    fla_all = run_fla(SHAPES, args.fla_ms, args.fla_timeout)
-    print(f"fla child: {time.perf_counter() - t0:.0f} s", flush=True)
+    tune_dir = fla_tune_dir(args.fla_tune_cache, device) if args.fla_tune_cache else None
+    fla_all = run_fla(SHAPES, args.fla_ms, args.fla_timeout, tune_dir)
+    kept = f", {autotune_results(tune_dir)} autotuning results kept" if tune_dir else ""
+    print(f"fla child: {time.perf_counter() - t0:.0f} s{kept}", flush=True)
   for B, T in SHAPES:
     inputs = make_inputs(B, T)
     fla = fla_all.get((B, T))
@@ -450,6 +478,8 @@ def main():
   p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU), no fla")
   p.add_argument("--fla-ms", type=int, default=200)
   p.add_argument("--fla-timeout", type=int, default=420, help="seconds for the fla child (autotuning too)")
+  p.add_argument("--fla-tune-cache", metavar="DIR", help="keep fla's autotuning results in DIR/<GPU "
+                 "model> (its child's Triton cache), so that a later call given them skips that autotuning")
   p.add_argument("--impls", default="pallas,xla", help="of pallas, pallas-merged (Config.merge_chunks: "
                  "the forward's chunk pairs merged for its state pass), xla")
   p.add_argument("--no-ref", action="store_true", help="skip the float32 reference (no errors)")

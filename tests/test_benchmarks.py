@@ -134,6 +134,19 @@ def test_kda_section_is_replaced_in_place(tmp_path):
   assert (tmp_path / "new.md").read_text() == "# Benchmarks\n\n## KDA kernel\n\nx\n"
 
 
+def test_fla_tune_cache_is_one_folder_per_gpu_model(tmp_path):
+  """fla's autotuning results are kept per GPU model (Triton keys them by sm_90 for the H100 and the H200
+  alike), and counted by their `cache_results` files wherever Triton's hashed folders put them."""
+  h100 = kda.fla_tune_dir(str(tmp_path), "NVIDIA H100 80GB HBM3")
+  h200 = kda.fla_tune_dir(str(tmp_path), "NVIDIA H200")
+  assert h100 == tmp_path / "NVIDIA_H100_80GB_HBM3" and h200 == tmp_path / "NVIDIA_H200"
+  assert kda.autotune_results(h100) == 0  # not made yet
+  for i, name in enumerate(["chunk_kda_fwd_kernel.autotune.json", "other.autotune.json", "kernel.cubin"]):
+    (h100 / f"hash{i}").mkdir(parents=True)
+    (h100 / f"hash{i}" / name).write_text("{}")
+  assert kda.autotune_results(h100) == 2 and kda.autotune_results(h200) == 0
+
+
 def test_kda_stress_run_end_to_end():
   """`kda.py --stress-only --stress-heads` at the smoke shapes (interpret mode): the T=1M run's path."""
   root = pathlib.Path(__file__).resolve().parent.parent
