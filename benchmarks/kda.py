@@ -176,7 +176,8 @@ def read_fla_outputs(B, T):
 def fla_tune_dir(tune_cache: str, device: str) -> pathlib.Path:
   """The Triton cache folder of fla's child for this GPU model: one per model, because Triton keys its
   autotuning results by the compile target (sm_90 for both the H100 and the H200), not by the card."""
-  return pathlib.Path(tune_cache) / ("".join(c if c.isalnum() else "_" for c in device).strip("_") or "gpu")
+  model = "".join(c if c.isalnum() else "_" for c in device).strip("_") or "gpu"
+  return pathlib.Path(tune_cache).absolute() / model  # absolute: Triton reads it from the child's env
 
 
 def autotune_results(folder: pathlib.Path) -> int:
