@@ -491,7 +491,8 @@ def main():
   p.add_argument("--xla-max-t", type=int, default=1 << 30)
   p.add_argument("--shapes", type=lambda s: tuple(int(x) for x in s.split("x")), nargs="+",
                  help="BxT shapes of the table instead of " + " ".join(f"{b}x{t}" for b, t in SHAPES)
-                 + " (fla autotunes per shape: under a time limit, fewer shapes reach more)")
+                 + " (fla's child times the shapes in turn after its autotuning: under a time limit, "
+                 "leaving some out lets it reach the others)")
   pair = lambda s: tuple(int(x) for x in s.split(","))
   p.add_argument("--sweep-prep", type=pair, nargs="*", default=[(32, 2), (32, 4, 2), (32, 4), (64, 4)],
                  help="block,num_warps[,num_stages] for the prep kernels")
