@@ -20,15 +20,22 @@ from moejax.params import count_params  # noqa: E402
 H200 = str(pathlib.Path(__file__).resolve().parent.parent / "experiments" / "h200.py")
 
 
+def abstract_params(config):
+  """(params, logical axes) of the config's model, as shapes: what the FLOP and matrix counts read."""
+  from moejax.train_step import logical_axes
+
+  model = build_model(config)
+  abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 16), np.int32)))
+  return nn.unbox(abstract["params"]), logical_axes(abstract["params"])
+
+
 @pytest.mark.parametrize("scan", [False, True])
 def test_matmul_flops_are_six_per_active_weight(scan):
   """3 x (2 per active matmul weight): the parameter counter's active total less the embedding table
   (a gather) and the vectors (norm scales, AttnRes queries), which do no matmul work per token; the
   same with scanned layers, whose stacked vectors have a leading layers axis."""
   config = step_setup.load_config(H200, [f"model.scan_layers={scan}", "model.num_layers=12"], smoke=True)
-  model = build_model(config)
-  abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 16), np.int32)))
-  params = nn.unbox(abstract["params"])
+  params, _ = abstract_params(config)
   stacked = lambda path: str(getattr(path[0], "key", "")) == "scanned"
   vectors = sum(leaf.size for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
                 if leaf.ndim - stacked(path) < 2)
@@ -77,10 +84,7 @@ def test_newton_schulz_flops_by_hand_and_matrix_list():
   # The symmetric X X^T and A A as lower triangles: half of each.
   assert newton_schulz_flops([(2, 5, 3)], symmetric=True) == 2 * 5 * (9 * 5 + 27 + 2 * 9 * 5)
   config = step_setup.load_config(H200, [], smoke=True)
-  model = build_model(config)
-  abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 16), np.int32)))
-  from moejax.train_step import logical_axes
-  axes, params = logical_axes(abstract["params"]), nn.unbox(abstract["params"])
+  params, axes = abstract_params(config)
   matrices = step_setup.muon_matrices(config, params, axes)
   # Every expert matrix is one entry per expert; the router, embedding, head and vectors are not there.
   m = config.model
@@ -104,10 +108,7 @@ def test_newton_schulz_benchmark_smoke():
   update = [line for line in lines if line.startswith(("| xla |", "| ours |"))]
   assert len(update) == 2 and all(float(line.split("|")[-2]) < 0.1 for line in update), out.stdout
   config = step_setup.load_config(H200, [], smoke=True)
-  model = build_model(config)
-  abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 16), np.int32)))
-  from moejax.train_step import logical_axes
-  matrices = step_setup.muon_matrices(config, nn.unbox(abstract["params"]), logical_axes(abstract["params"]))
+  matrices = step_setup.muon_matrices(config, *abstract_params(config))
   groups = [line for line in lines if line.startswith("| ") and " x " in line.split("|")[1]
             and line.split("|")[1].strip()[0].isdigit()]
   assert sum(int(line.split("|")[1].split(" x ")[0]) for line in groups) == sum(b for b, _, _ in matrices)
