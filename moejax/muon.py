@@ -79,9 +79,11 @@ def resolve_ns(implementation: str) -> str:
 
 
 def newton_schulz(x_MN: jax.Array, steps: int = NS_STEPS, eps: float = 1e-8,
-                  implementation: str = "xla") -> jax.Array:
+                  implementation: str = "xla", poly_blocks: ns_kernels.Blocks = ns_kernels.POLY_BLOCKS
+                  ) -> jax.Array:
   """The quintic iteration on the trailing [M, N] matrices of x (any leading batch axes), in x's
-  dtype; the result is ~U V^T of each. `implementation`: one of NS_IMPLEMENTATIONS (module docstring)."""
+  dtype; the result is ~U V^T of each. `implementation`: one of NS_IMPLEMENTATIONS (module docstring).
+  `poly_blocks`: the kernel's blocks for P (S = X X^T takes the kernel's default), with the kernels."""
   implementation = resolve_ns(implementation)
   transpose = x_MN.shape[-2] > x_MN.shape[-1]
   if transpose:  # iterate on the short side: X X^T is m x m
@@ -99,7 +101,7 @@ def newton_schulz(x_MN: jax.Array, steps: int = NS_STEPS, eps: float = 1e-8,
       p_MM = a_eye_MM + b * s_MM + c * jnp.einsum("...mk,...kj->...mj", s_MM, s_MM)
     else:  # S is symmetric, so S^2 = S S^T: both are Gram products
       s_MM = ns_kernels.gram_poly(x_MN, implementation=implementation)
-      p_MM = ns_kernels.gram_poly(s_MM, c, b, a, implementation=implementation)
+      p_MM = ns_kernels.gram_poly(s_MM, c, b, a, implementation=implementation, blocks=poly_blocks)
     x_MN = jnp.einsum("...mk,...kn->...mn", p_MM, x_MN)
   return jnp.swapaxes(x_MN, -2, -1) if transpose else x_MN
 

@@ -112,6 +112,12 @@ def test_newton_schulz_benchmark_smoke():
   groups = [line for line in lines if line.startswith("| ") and " x " in line.split("|")[1]
             and line.split("|")[1].strip()[0].isdigit()]
   assert sum(int(line.split("|")[1].split(" x ")[0]) for line in groups) == sum(b for b, _, _ in matrices)
+  # each group's times: xla, ours, xla/ours, ours with P at X X^T's blocks; then their sums
+  assert all(len(line.split("|")) == 7 for line in groups), groups
+  (total,) = [line.split("|") for line in lines if line.startswith("| sum |")]
+  for col in (2, 3, 5):
+    column = [float(line.split("|")[col]) for line in groups]
+    assert float(total[col]) == pytest.approx(sum(column), abs=1e-3 * len(groups))  # rows rounded
   assert any(line.startswith("| 32,16,4,2 |") for line in lines), out.stdout
 
 

@@ -64,14 +64,16 @@ def test_bf16_products_round_once():
   assert np.all(err <= 2 ** -8 * np.abs(np.asarray(want)) + 1e-3), err.max()
 
 
-@pytest.mark.parametrize("shape", [(3, 48, 80), (2, 80, 48), (4, 33, 33)])
-def test_newton_schulz_with_the_kernels_is_the_einsum_form(shape):
+@pytest.mark.parametrize("shape, poly_blocks", [((3, 48, 80), None), ((2, 80, 48), None), ((4, 33, 33), None),
+                                                 ((2, 48, 80), Blocks(rows=16, depth=16))])
+def test_newton_schulz_with_the_kernels_is_the_einsum_form(shape, poly_blocks):
   """In float32 both forms compute the same products (the kernels' S^2 as S S^T), transposing when
-  m > n, to float32 rounding; the result is near-orthogonal either way."""
+  m > n, to float32 rounding, at P's default blocks and at blocks that tile S 3 x 3; the result is
+  near-orthogonal either way."""
   x = jax.random.normal(jax.random.key(4), shape, jnp.float32)
   with jax.default_matmul_precision("highest"):
     want = newton_schulz(x)
-  got = newton_schulz(x, implementation="interpret")
+  got = newton_schulz(x, implementation="interpret", **({"poly_blocks": poly_blocks} if poly_blocks else {}))
   chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-5)
 
 

@@ -44,6 +44,13 @@ class Blocks:
                                depth=min(self.depth, max(16, next_pow2(n))))
 
 
+GRAM_BLOCKS = Blocks()
+"""S = X X^T's blocks: the fastest of session 23's sweep on the largest group (1920 x 512 x 768, H100)."""
+POLY_BLOCKS = Blocks(depth=128)
+"""P = a I + b S + c S^2's blocks: depth 128 took 1.238 ms against depth 64's 1.343 on that group's
+512 x 512 S (BENCHMARKS.md, "Muon Newton-Schulz"), where X X^T was faster at depth 64."""
+
+
 def tile_pairs(m: int, bm: int) -> tuple[list[int], list[int]]:
   """(i, j) of the lower-triangular tiles, i >= j, row by row."""
   nt = -(-m // bm)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.backend import require_gpu
 from pallas_kernels.newton_schulz import kernel
-from pallas_kernels.newton_schulz.kernel import Blocks
+from pallas_kernels.newton_schulz.kernel import GRAM_BLOCKS, Blocks
 
 IMPLEMENTATIONS = ("pallas", "interpret")
 
@@ -36,6 +36,6 @@ def gram_poly(x, scale_xx: float = 1.0, scale_x: float = 0.0, shift: float = 0.0
     raise ValueError(f"gram_poly: scale_x adds x itself, which needs square matrices, got [{m}, {n}]")
   batch = x.shape[:-2]
   x_BMN = x.reshape(math.prod(batch), m, n)
-  out = kernel.gram_poly_pallas(x_BMN, scale_xx, scale_x, shift, blocks=blocks or Blocks(),
+  out = kernel.gram_poly_pallas(x_BMN, scale_xx, scale_x, shift, blocks=blocks or GRAM_BLOCKS,
                                 interpret=implementation == "interpret")
   return out.reshape(*batch, m, m)
