@@ -100,7 +100,7 @@ def main():
 
   def save(rest: str):
     """The section as far as it got, so that a run cut off by a time limit keeps its figures."""
-    if not args.smoke:
+    if not args.smoke and args.out:
       replace_section(args.out, SECTION, "\n".join(lines + ["", rest]))
 
   # The whole update first: its errors against float32 decide whether ours may be used at all.
@@ -159,6 +159,9 @@ def main():
     for text in args.sweep if rank == 0 else ():
       rows, depth, warps, stages = (int(v) for v in text.split(","))
       blocks = Blocks(rows=rows, depth=depth, tuning=Tuning(warps, stages))
+      ran = blocks.fit(m, n, jnp.dtype(jnp.bfloat16).itemsize)
+      if (ran.rows, ran.depth) != (rows, depth):  # the kernel shrinks what the matrices or SMEM can't take
+        text += f" (runs as {ran.rows},{ran.depth},{warps},{stages})"
       s = jax.random.normal(rng, (b, m, m), jnp.bfloat16)
       s = (s + jnp.swapaxes(s, 1, 2)).astype(jnp.bfloat16)
       kernels = (jax.jit(lambda x, blocks=blocks: gram_poly(x, implementation=ours, blocks=blocks)),

@@ -16,7 +16,10 @@ from optax.contrib import MuonDimensionNumbers
 
 from moejax.muon import NS_COEFFS, newton_schulz, orthogonalise
 from moejax.parallel import mesh as meshlib
-from pallas_kernels.newton_schulz import Blocks, gram_poly, gram_poly_reference
+from pallas_kernels.kda.pallas_backend import Tuning
+from pallas_kernels.newton_schulz import GRAM_BLOCKS, POLY_BLOCKS, Blocks, gram_poly, gram_poly_reference
+from pallas_kernels.newton_schulz import kernel as ns_kernel
+from pallas_kernels.newton_schulz.kernel import SHARED_MEMORY_BYTES
 
 A, B, C = NS_COEFFS
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -64,8 +67,9 @@ def test_bf16_products_round_once():
   assert np.all(err <= 2 ** -8 * np.abs(np.asarray(want)) + 1e-3), err.max()
 
 
-@pytest.mark.parametrize("shape, poly_blocks", [((3, 48, 80), None), ((2, 80, 48), None), ((4, 33, 33), None),
-                                                 ((2, 48, 80), Blocks(rows=16, depth=16))])
+@pytest.mark.parametrize("shape, poly_blocks", [
+    ((3, 48, 80), None), ((2, 80, 48), None), ((4, 33, 33), None), ((1, 136, 160), None),
+    ((2, 48, 80), Blocks(rows=16, depth=16))])
 def test_newton_schulz_with_the_kernels_is_the_einsum_form(shape, poly_blocks):
   """In float32 both forms compute the same products (the kernels' S^2 as S S^T), transposing when
   m > n, to float32 rounding, at P's default blocks and at blocks that tile S 3 x 3; the result is
@@ -95,6 +99,50 @@ def test_orthogonalise_under_a_mesh_splits_the_experts(axis_type):
     # each device holds (and iterates) its two experts only
     assert {s.data.shape for s in got.addressable_shards} == {(2, 32, 48)}
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_newton_schulz_gives_each_product_its_blocks(monkeypatch):
+  """S = X X^T runs at GRAM_BLOCKS and P at `poly_blocks` (POLY_BLOCKS unless given), fitted to the
+  matrices and to the dtype's shared memory."""
+  seen = []
+  real = ns_kernel.gram_poly_pallas
+
+  def recording(x, scale_xx, scale_x, shift, *, blocks, interpret):
+    seen.append(("P" if scale_x else "S", blocks, blocks.fit(*x.shape[1:], x.dtype.itemsize)))
+    return real(x, scale_xx, scale_x, shift, blocks=blocks, interpret=interpret)
+
+  monkeypatch.setattr(ns_kernel, "gram_poly_pallas", recording)
+  x = jax.random.normal(jax.random.key(5), (1, 256, 320), jnp.bfloat16)
+  newton_schulz(x, steps=1, implementation="interpret")
+  assert [(kind, blocks) for kind, blocks, _ in seen] == [("S", GRAM_BLOCKS), ("P", POLY_BLOCKS)]
+  assert seen[1][2].depth == 128  # bf16: P's operand tiles fit at depth 128
+  seen.clear()
+  newton_schulz(x.astype(jnp.float32), steps=1, implementation="interpret")
+  assert seen[1][2].depth == 64  # float32: halved to fit
+  seen.clear()
+  mine = Blocks(rows=32, depth=16)
+  newton_schulz(x[:, :64, :64], steps=1, implementation="interpret", poly_blocks=mine)
+  assert [(kind, blocks) for kind, blocks, _ in seen] == [("S", GRAM_BLOCKS), ("P", mine)]
+
+
+def test_blocks_fit_an_sm90_block_of_shared_memory():
+  """The estimate reproduces the H100's refusal (262,144 bytes for 128 x 128 x 128, 4 stages, bf16), and
+  fit halves the depth until the tiles fit."""
+  four_stages = Blocks(rows=128, depth=128, tuning=Tuning(num_warps=8, num_stages=4))
+  assert four_stages.shared_memory_bytes(2) == 262_144 > SHARED_MEMORY_BYTES
+  assert four_stages.fit(512, 512, 2).depth == 64
+  for blocks in (GRAM_BLOCKS, POLY_BLOCKS, four_stages):
+    for itemsize in (2, 4):
+      fitted = blocks.fit(4096, 4096, itemsize)
+      assert fitted.shared_memory_bytes(itemsize) <= SHARED_MEMORY_BYTES
+      assert fitted.rows == blocks.rows and fitted.tuning == blocks.tuning
+  assert POLY_BLOCKS.fit(512, 512, 2) == POLY_BLOCKS  # what the sweep timed is what runs
+  assert Blocks().fit(40, 24, 2) == Blocks(rows=64, depth=32)
+
+
+def test_an_empty_batch_gives_an_empty_result():
+  got = gram_poly(jnp.ones((0, 4, 6), jnp.bfloat16), implementation="interpret")
+  assert got.shape == (0, 4, 4) and got.dtype == jnp.bfloat16
 
 
 def test_bad_inputs_are_refused():

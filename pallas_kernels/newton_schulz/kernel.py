@@ -25,6 +25,9 @@ _F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))
 
 
+SHARED_MEMORY_BYTES = 232_448  # per thread block on sm_90 (H100, H200), as the driver reports it
+
+
 @dataclasses.dataclass(frozen=True)
 class Blocks:
   """Tile sizes (powers of two, Triton's) and launch parameters."""
@@ -38,17 +41,27 @@ class Blocks:
       if not isinstance(v, int) or v < 16 or v & (v - 1):
         raise ValueError(f"Blocks.{name} must be a power of two >= 16, got {v!r}")
 
-  def fit(self, m: int, n: int) -> "Blocks":
-    """These blocks, shrunk to the matrices where they are smaller (down to 16)."""
-    return dataclasses.replace(self, rows=min(self.rows, max(16, next_pow2(m))),
-                               depth=min(self.depth, max(16, next_pow2(n))))
+  def shared_memory_bytes(self, itemsize: int) -> int:
+    """What Triton's pipelined dot asks for: num_stages copies of the two [bm, bk] operand tiles (the
+    H100's refusal of 128, 128, 8 warps, 4 stages in bf16 named exactly this, 262,144 bytes)."""
+    return self.tuning.num_stages * 2 * self.rows * self.depth * itemsize
+
+  def fit(self, m: int, n: int, itemsize: int = 2) -> "Blocks":
+    """These blocks, shrunk to the matrices where they are smaller (down to 16), and the depth halved
+    until the operand tiles fit an sm_90 block's shared memory (float32 needs half bf16's depth)."""
+    fitted = dataclasses.replace(self, rows=min(self.rows, max(16, next_pow2(m))),
+                                 depth=min(self.depth, max(16, next_pow2(n))))
+    while fitted.depth > 16 and fitted.shared_memory_bytes(itemsize) > SHARED_MEMORY_BYTES:
+      fitted = dataclasses.replace(fitted, depth=fitted.depth // 2)
+    return fitted
 
 
 GRAM_BLOCKS = Blocks()
 """S = X X^T's blocks: the fastest of session 23's sweep on the largest group (1920 x 512 x 768, H100)."""
 POLY_BLOCKS = Blocks(depth=128)
-"""P = a I + b S + c S^2's blocks: depth 128 took 1.238 ms against depth 64's 1.343 on that group's
-512 x 512 S (BENCHMARKS.md, "Muon Newton-Schulz"), where X X^T was faster at depth 64."""
+"""P = a I + b S + c S^2's blocks: in bf16, depth 128 took 1.238 ms against depth 64's 1.343 on that
+group's 512 x 512 S (BENCHMARKS.md, "Muon Newton-Schulz"), where X X^T was faster at depth 64. In
+float32 `fit` halves the depth to 64 (3 stages of 128 x 128 float32 tiles would need 384 KiB)."""
 
 
 def tile_pairs(m: int, bm: int) -> tuple[list[int], list[int]]:
@@ -98,7 +111,7 @@ def gram_poly_pallas(x_BMN, scale_xx: float, scale_x: float, shift: float, *, bl
   """scale_xx * x x^T + scale_x * x + shift * I per matrix of x [B, m, n], in x's dtype (float32
   accumulation)."""
   B, m, n = x_BMN.shape
-  blocks = blocks.fit(m, n)
+  blocks = blocks.fit(m, n, x_BMN.dtype.itemsize)
   bm, bk = blocks.rows, blocks.depth
   i_T, j_T = tile_pairs(m, bm)
   tiles = len(i_T)

@@ -35,6 +35,8 @@ def gram_poly(x, scale_xx: float = 1.0, scale_x: float = 0.0, shift: float = 0.0
   if scale_x and m != n:
     raise ValueError(f"gram_poly: scale_x adds x itself, which needs square matrices, got [{m}, {n}]")
   batch = x.shape[:-2]
+  if 0 in batch:
+    return jnp.zeros((*batch, m, m), x.dtype)
   x_BMN = x.reshape(math.prod(batch), m, n)
   out = kernel.gram_poly_pallas(x_BMN, scale_xx, scale_x, shift, blocks=blocks or GRAM_BLOCKS,
                                 interpret=implementation == "interpret")
