@@ -1,6 +1,7 @@
 """Timing and ceilings shared by the GPU benchmarks. Imports jax on first use only, so that a
 benchmark's child process for a PyTorch competitor can import its module without claiming the GPU."""
 
+import statistics
 import time
 
 
@@ -23,8 +24,7 @@ def time_ms(fn, *args, calls=None, repeats=None) -> float:
       out = fn(*args)
     jax.block_until_ready(out)
     samples.append((time.perf_counter() - t0) / calls * 1e3)
-  samples.sort()
-  return samples[len(samples) // 2]
+  return statistics.median(samples)
 
 
 def matmul_rate(n: int = 8192) -> float:
