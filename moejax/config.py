@@ -156,7 +156,7 @@ def base_config() -> ml_collections.ConfigDict:
   t = c.train = ml_collections.ConfigDict()
   # Progressive context: (seq_len, steps, tokens per batch) per stage, run in order.
   t.stages = ((128, 200, 4096),)  # a tuple, so --config.train.stages="((128, 30, 2048),)" works
-  t.seed = 0
+  t.seed = 0  # parameter initialisation (the data order is data.seed)
   t.log_every = 10
   t.eval_every = 100
   t.eval_batches = 4
@@ -312,6 +312,10 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   need(o.lr > 0 and o.adam_lr > 0, "optim.lr and optim.adam_lr must be positive")
   need(o.warmup_steps >= 0 and o.grad_clip >= 0 and o.qk_clip_tau >= 0,
        "optim.warmup_steps, grad_clip and qk_clip_tau must be >= 0")
+  need(0.0 <= o.final_lr_fraction <= 1.0,
+       f"optim.final_lr_fraction={o.final_lr_fraction} must be in [0, 1] (of optim.lr, at the last step)")
+  need(isinstance(m.loss.chunk_tokens, int) and m.loss.chunk_tokens >= 1,
+       f"model.loss.chunk_tokens must be an integer >= 1, got {m.loss.chunk_tokens!r}")
   need(o.muon_ns_dtype in ("bfloat16", "float32"),
        f"optim.muon_ns_dtype={o.muon_ns_dtype!r} must be 'bfloat16' or 'float32'")
   need(o.muon_ns_implementation in NS_IMPLEMENTATIONS,
@@ -323,12 +327,30 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(isinstance(stage, (tuple, list)) and len(stage) == 3,
          f"train.stages[{i}]={stage!r} must be (seq_len, steps, tokens_per_batch): train.stages is a "
          f"tuple of such triples, e.g. ((128, 30, 2048),)")
+    need(all(isinstance(v, int) and not isinstance(v, bool) for v in stage),
+         f"train.stages[{i}]={stage!r}: seq_len, steps and tokens_per_batch must be integers")
     seq_len, steps, tokens = stage
     need(seq_len >= 2 and steps >= 1 and tokens >= seq_len,
          f"train.stages[{i}]={stage!r}: need seq_len >= 2, steps >= 1, tokens_per_batch >= seq_len")
     need(tokens % seq_len == 0,
          f"train.stages[{i}]: tokens_per_batch={tokens} is not a multiple of seq_len={seq_len}")
   need(t.max_bad_steps >= 1, "train.max_bad_steps must be >= 1")
+  for name in ("log_every", "checkpoint_every", "keep_checkpoints", "maxvio_alert_steps"):
+    need(isinstance(t[name], int) and t[name] >= 1, f"train.{name} must be an integer >= 1, got {t[name]!r}")
+  need(isinstance(t.eval_every, int) and t.eval_every >= 0,
+       f"train.eval_every must be an integer >= 0 (0: no evaluation), got {t.eval_every!r}")
+  if t.eval_every:
+    need(isinstance(t.eval_batches, int) and t.eval_batches >= 1,
+         f"train.eval_batches must be an integer >= 1 while train.eval_every={t.eval_every}, got "
+         f"{t.eval_batches!r}")
+    need(float(config.data.valid_fraction) > 0,
+         f"train.eval_every={t.eval_every} evaluates on the validation split, but data.valid_fraction=0 "
+         "leaves it empty: set data.valid_fraction > 0 or train.eval_every = 0")
+  # Stage i's train stream is shuffled with data.seed + i (moejax.train).
+  need(isinstance(t.seed, int) and 0 <= t.seed < 2**32, f"train.seed={t.seed!r} must be in [0, 2**32)")
+  need(int(config.data.seed) + len(t.stages) - 1 < 2**32,
+       f"data.seed={config.data.seed}: stage i shuffles with data.seed + i, which must stay below 2**32 "
+       f"for all {len(t.stages)} stages")
   for name in ("allow_excess_precision", "xla_triton_gemm", "xla_dot_merger"):
     need(isinstance(t[name], bool), f"train.{name} must be True or False, got {t[name]!r}")
   need(set(t.mesh) == {"data", "fsdp", "expert", "tensor"},
@@ -340,6 +362,15 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need((tokens // seq_len) % row_shards == 0,
          f"train.stages[{i}] has {tokens // seq_len} rows per batch, not divisible by the "
          f"{row_shards} row shards of train.mesh (data x fsdp x expert)")
+    # The chunked passes refuse a chunk that does not divide what they split, but only when the stage's
+    # step first compiles, which for a late stage is hours into the run.
+    for field, chunk, total, what in (
+        ("model.kda.seq_chunk", m.kda.seq_chunk, seq_len, "row length"),
+        ("model.ffn.token_chunk", m.ffn.token_chunk, tokens, "tokens per batch"),
+        ("model.moe.token_chunk", m.moe.token_chunk if m.num_dense_layers < m.num_layers else 0,
+         tokens // row_shards, "tokens per row shard")):
+      need(not chunk or total <= chunk or total % chunk == 0,
+           f"{field}={chunk} does not divide train.stages[{i}]'s {what}, {total}")
   if m.num_dense_layers < m.num_layers:
     need(m.moe.num_experts % t.mesh.expert == 0,
          f"model.moe.num_experts={m.moe.num_experts} is not divisible by train.mesh.expert={t.mesh.expert}")

@@ -46,7 +46,7 @@ def _batch_iterator(config, stage, split, seed):
 
 
 def evaluate(eval_step, state, config, stage, to_device=lambda batch: batch) -> dict:
-  it = iter(_batch_iterator(config, stage, "validation", config.train.seed))
+  it = iter(_batch_iterator(config, stage, "validation", config.data.seed))
   total, count = 0.0, 0.0
   for _ in range(config.train.eval_batches):
     m = eval_step(state, to_device(next(it)))
@@ -125,7 +125,7 @@ def run(config, workdir: str) -> dict:
         state, m = train_step(state, to_device(batch))
         step += 1
         extra = {"stage": stage_idx, "seq_len": stages[stage_idx][0],
-                 "tokens": float(np.sum(batch["loss_mask"] >= 0))}
+                 "tokens": float(np.sum(batch["loss_mask"] > 0))}  # real tokens, not padding
         if pending is not None:
           row = finish(pending)
         pending = None
@@ -136,12 +136,16 @@ def run(config, workdir: str) -> dict:
         # Switch streams before saving: a checkpoint at a stage boundary then holds the new stage's
         # fresh iterator, which is the one a restart at that step builds and loads it into.
         new_stage, _ = stage_at(stages, step)
-        if new_stage != stage_idx:
+        switched = new_stage != stage_idx
+        if switched:
           # A new context length: same state, new data stream; the step retraces for the new shape.
           stage_idx = new_stage
           data_it = _iterator_for_step(config, stages, step)
           log.info("stage %d: seq_len=%d", stage_idx, stages[stage_idx][0])
-        save_due = save_due or step % config.train.checkpoint_every == 0 or step == total_steps
+        # Every stage boundary is saved too: the next stage's first step compiles anew and may not fit,
+        # and a restart there should not repeat the end of the stage before.
+        save_due = (save_due or switched or step % config.train.checkpoint_every == 0
+                    or step == total_steps)
         if save_due and pending is not None:
           row, pending = finish(pending), None  # a checkpoint's step is logged before it is saved
         # A state that just skipped an update is not saved: the newest checkpoint stays a good one.
@@ -160,9 +164,9 @@ def run(config, workdir: str) -> dict:
 
 
 def _iterator_for_step(config, stages, step):
-  """The train data stream of the stage that `step` falls in; each stage has its own seed."""
+  """The train data stream of the stage that `step` falls in; stage i shuffles with data.seed + i."""
   idx, _ = stage_at(stages, step)
-  return iter(_batch_iterator(config, stages[idx], "train", config.train.seed + idx))
+  return iter(_batch_iterator(config, stages[idx], "train", config.data.seed + idx))
 
 
 def _define_flags():

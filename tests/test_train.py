@@ -287,6 +287,22 @@ def test_restart_at_the_stage_boundary_equals_one_process(reference, tmp_path):
                      restore_state(reference["config"], reference["workdir"], TOTAL).params)
 
 
+def test_every_stage_boundary_is_checkpointed(reference, tmp_path):
+  """With checkpoint_every past the run's end, the saves are the stage boundary and the last step."""
+  config = make_config(reference["config"].data.cache_dir, **{
+      "train.stages": ((64, 3, 512), (128, 2, 512)), "train.checkpoint_every": 100, "train.eval_every": 0})
+  train.run(config, str(tmp_path))
+  assert ckpt_lib.Manager(str(tmp_path / "checkpoints"), 5).all_steps() == [3, 5]
+
+
+def test_data_seed_orders_the_data_and_train_seed_does_not(reference):
+  config = reference["config"]
+  first = lambda c: _digest(next(train._iterator_for_step(c, [tuple(s) for s in STAGES], 0)))
+  base = first(config)
+  assert first(make_config(config.data.cache_dir, **{"train.seed": 7})) == base
+  assert first(make_config(config.data.cache_dir, **{"data.seed": 7})) != base
+
+
 def _damage(step_dir, how):
   """"corrupt": garbage over the start of every array data file; "partial": the data files gone."""
   data_dir = step_dir / "state" / "ocdbt.process_0"

@@ -34,7 +34,7 @@ def default_data_config() -> ml_collections.ConfigDict:
   c.max_bytes = 4_000_000
   c.tokenizer_train_bytes = 16_000_000  # BPE is trained on at most this much train text (0: all)
   c.valid_fraction = 0.05  # of documents (files for text, records for JSONL), chosen by path hash
-  c.seed = 0  # document shuffle seed; every epoch is reshuffled from it
+  c.seed = 0  # document shuffle seed (stage i of moejax.train: seed + i); every epoch is reshuffled from it
   c.shuffle_buffer = 1024  # packed rows shuffled together (train only; 0 or 1: off)
   c.read_threads = 1  # grain reader threads per process (0: read synchronously)
   c.num_workers = 0  # grain worker processes (0: none; threads are scarce on small hosts)
