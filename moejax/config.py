@@ -33,8 +33,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.data = default_data_config()
 
   m = c.model = ml_collections.ConfigDict()
-  # The model's vocabulary follows the tokenizer's unless an experiment sets it apart.
-  m.vocab_size = c.data.get_ref("vocab_size")
+  # None: the tokenizer's, data.vocab_size (filled in by `validate`); or a larger size of its own, e.g.
+  # padded to a multiple of 128 for the LM head's matmuls.
+  m.vocab_size = ml_collections.FieldReference(None, field_type=int)
   m.d_model = 64
   m.num_layers = 4
   # One letter per layer, repeated to cover num_layers: K = KDA, M = gated MLA.
@@ -208,6 +209,11 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if not cond:
       raise ConfigError(msg)
 
+  if m.vocab_size is None:
+    m.vocab_size = int(config.data.vocab_size)
+  need(int(m.vocab_size) >= int(config.data.vocab_size),
+       f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's data.vocab_size="
+       f"{config.data.vocab_size}")
   for name in ("vocab_size", "d_model", "num_layers"):
     need(int(m[name]) > 0, f"model.{name} must be positive, got {m[name]}")
   need(m.dtype in ("float32", "bfloat16", "float16"), f"model.dtype {m.dtype!r} is not a float dtype")

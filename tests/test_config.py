@@ -83,6 +83,19 @@ def test_bad_configs_fail_clearly(overrides, message):
     validate(_with(**overrides))
 
 
+def test_model_vocabulary_follows_the_tokenizer_unless_set_apart():
+  c = base_config()
+  c.data.vocab_size = 512
+  assert validate(c).model.vocab_size == 512
+  c = base_config()
+  c.model.vocab_size = 1152  # padded past the tokenizer's 1024: the tokenizer stays as it was
+  assert validate(c).model.vocab_size == 1152 and c.data.vocab_size == 1024
+  c = base_config()
+  c.model.vocab_size = 1000
+  with pytest.raises(ConfigError, match=r"model.vocab_size=1000 is smaller than the tokenizer's"):
+    validate(c)
+
+
 def test_derived_head_widths():
   c = validate(_with(model__kda__head_k_dim=None, model__mla__qk_nope_head_dim=None))
   assert c.model.kda.head_k_dim == 16 and c.model.mla.qk_nope_head_dim == 16
