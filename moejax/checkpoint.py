@@ -57,8 +57,11 @@ class Manager:
     """
     unreadable = []
     for step in reversed(self.all_steps()):
+      iterator = iterator_for_step(step)  # outside the try: a data error is the run's, not the checkpoint's
       try:
-        restored = self.restore(step, state_template, iterator_for_step(step))
+        restored = self.restore(step, state_template, iterator)
+      except jax.errors.JaxRuntimeError:
+        raise  # the device's (e.g. out of memory), not the checkpoint's
       except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back the same way
         log.warning("checkpoint at step %d is unreadable (%s: %s); trying the previous one",
                     step, type(e).__name__, e)

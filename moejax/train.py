@@ -7,6 +7,7 @@ the whole train state and the data iterator, and resumes from the newest readabl
 `--workdir` when restarted.
 """
 
+import hashlib
 import json
 import logging
 import os
@@ -40,13 +41,34 @@ def stage_at(stages, step: int):
   return len(stages) - 1, start - stages[-1][1]
 
 
-def _batch_iterator(config, stage, split, seed):
+def _batch_iterator(config, stage, split, seed, manifest_path=None):
   seq_len, _, tokens = stage
-  return make_iterator(config.data, split, seq_len, tokens // seq_len, seed)
+  return make_iterator(config.data, split, seq_len, tokens // seq_len, seed, manifest_path=manifest_path)
 
 
-def evaluate(eval_step, state, config, stage, to_device=lambda batch: batch) -> dict:
-  it = iter(_batch_iterator(config, stage, "validation", config.data.seed))
+def _pin_data(workdir: str, manifest_path: str, resuming: bool) -> None:
+  """Records the corpus content and tokenizer that the run trains on (workdir/data.json); a resume on
+  other data (a corpus edited since, another tokenizer) is refused: the weights would read token ids
+  with other meanings, and the saved data position would index another dataset."""
+  manifest = load_manifest(manifest_path)
+  tokenizer_file = os.path.join(os.path.dirname(manifest_path), manifest["tokenizer"]["file"])
+  with open(tokenizer_file, "rb") as f:
+    tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()
+  pin = {"content_sha256": manifest["content_sha256"], "tokenizer_sha256": tokenizer_sha256}
+  path = os.path.join(workdir, "data.json")
+  if resuming and os.path.exists(path):
+    with open(path) as f:
+      trained_on = json.load(f)
+    if trained_on != pin:
+      raise ConfigError(f"the checkpoints in {workdir} were trained on other data ({path}: {trained_on}) "
+                        f"than {manifest_path} holds now ({pin}): restore the corpus and data config, or "
+                        f"start in a new workdir")
+  with open(path, "w") as f:
+    json.dump(pin, f)
+
+
+def evaluate(eval_step, state, config, stage, to_device=lambda batch: batch, manifest_path=None) -> dict:
+  it = iter(_batch_iterator(config, stage, "validation", config.data.seed, manifest_path))
   total, count = 0.0, 0.0
   for _ in range(config.train.eval_batches):
     m = eval_step(state, to_device(next(it)))
@@ -59,7 +81,9 @@ def run(config, workdir: str) -> dict:
   """Trains to the end of the last stage; returns the final metrics row."""
   validate(config)
   os.makedirs(workdir, exist_ok=True)
-  manifest = load_manifest(prepare(config.data))
+  # Prepared once: every stream of the run reads these shards, even if the corpus changes meanwhile.
+  manifest_path = prepare(config.data)
+  manifest = load_manifest(manifest_path)
   tokenizer_vocab = manifest["tokenizer"]["vocab_size"]
   if config.model.vocab_size < tokenizer_vocab:
     raise ConfigError(f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
@@ -75,8 +99,9 @@ def run(config, workdir: str) -> dict:
   rows = batch_sharding(mesh)
   to_device = lambda batch: jax.tree.map(lambda x: jax.make_array_from_process_local_data(rows, x), batch)
   manager = ckpt_lib.Manager(os.path.join(workdir, "checkpoints"), config.train.keep_checkpoints)
-  data_it = _iterator_for_step(config, stages, 0)
-  restored = manager.restore_latest(state, lambda s: _iterator_for_step(config, stages, s))
+  data_it = _iterator_for_step(config, stages, 0, manifest_path)
+  restored = manager.restore_latest(state, lambda s: _iterator_for_step(config, stages, s, manifest_path))
+  _pin_data(workdir, manifest_path, resuming=restored is not None)
   if restored is not None:
     state, data_it = restored
     log.info("resumed from step %d", int(state.step))
@@ -101,7 +126,7 @@ def run(config, workdir: str) -> dict:
     now = time.perf_counter()
     row.update(step=step_done, tokens_per_s=extra.pop("tokens") / (now - clock["last"]), **extra)
     if eval_state is not None:
-      row.update(evaluate(eval_step, eval_state, config, stages[row["stage"]], to_device))
+      row.update(evaluate(eval_step, eval_state, config, stages[row["stage"]], to_device, manifest_path))
       now = time.perf_counter()  # evaluation time is not training throughput
     clock["last"] = now
     monitor.record(step_done, row)
@@ -140,7 +165,7 @@ def run(config, workdir: str) -> dict:
         if switched:
           # A new context length: same state, new data stream; the step retraces for the new shape.
           stage_idx = new_stage
-          data_it = _iterator_for_step(config, stages, step)
+          data_it = _iterator_for_step(config, stages, step, manifest_path)
           log.info("stage %d: seq_len=%d", stage_idx, stages[stage_idx][0])
         # Every stage boundary is saved too: the next stage's first step compiles anew and may not fit,
         # and a restart there should not repeat the end of the stage before.
@@ -163,10 +188,10 @@ def run(config, workdir: str) -> dict:
   return row
 
 
-def _iterator_for_step(config, stages, step):
+def _iterator_for_step(config, stages, step, manifest_path=None):
   """The train data stream of the stage that `step` falls in; stage i shuffles with data.seed + i."""
   idx, _ = stage_at(stages, step)
-  return iter(_batch_iterator(config, stages[idx], "train", config.data.seed + idx))
+  return iter(_batch_iterator(config, stages[idx], "train", config.data.seed + idx, manifest_path))
 
 
 def _define_flags():

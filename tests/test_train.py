@@ -28,7 +28,7 @@ from tensorboardX.proto import event_pb2
 
 from moejax import checkpoint as ckpt_lib
 from moejax import train
-from moejax.config import base_config
+from moejax.config import ConfigError, base_config
 from moejax.model import build_model
 from moejax.monitor import Monitor
 from moejax.optim import learning_rate_schedule
@@ -126,7 +126,7 @@ class _Tap(grain.DatasetIterator):
 def _tap_iterators(monkeypatch, fn):
   original = train._iterator_for_step
   monkeypatch.setattr(train, "_iterator_for_step",
-                      lambda config, stages, step: _Tap(original(config, stages, step), fn))
+                      lambda *args: _Tap(original(*args), fn))
 
 
 def read_rows(workdir):
@@ -293,6 +293,18 @@ def test_every_stage_boundary_is_checkpointed(reference, tmp_path):
       "train.stages": ((64, 3, 512), (128, 2, 512)), "train.checkpoint_every": 100, "train.eval_every": 0})
   train.run(config, str(tmp_path))
   assert ckpt_lib.Manager(str(tmp_path / "checkpoints"), 5).all_steps() == [3, 5]
+
+
+def test_resuming_on_other_data_is_refused(reference, tmp_path):
+  """A resume records what it trains on; the same checkpoint on another corpus (here a smaller cap,
+  which changes the content and retrains the tokenizer) stops before any step."""
+  copy_checkpoints(reference["workdir"], tmp_path, [20])
+  config = reference["config"]
+  train._pin_data(str(tmp_path), train.prepare(config.data), resuming=False)  # as the run's first start
+  other = make_config(config.data.cache_dir, **{"data.max_bytes": 200_000})
+  with pytest.raises(ConfigError, match="trained on other data"):
+    train.run(other, str(tmp_path))
+  assert ckpt_lib.Manager(str(tmp_path / "checkpoints"), 5).all_steps() == [20]
 
 
 def test_data_seed_orders_the_data_and_train_seed_does_not(reference):
