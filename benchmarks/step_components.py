@@ -20,6 +20,7 @@ from moejax.layers.mla import GatedMLA  # noqa: E402
 from moejax.layers.moe import MoE  # noqa: E402
 from moejax.loss import cross_entropy  # noqa: E402
 from moejax.model import layer_kinds  # noqa: E402
+from moejax.parallel import mesh as meshlib  # noqa: E402
 
 
 def layer_module(config, kind: str):
@@ -53,7 +54,11 @@ def layer_fwd_bwd(module, mutable):
 def component_times(config, batch, state, optimizer, mesh) -> list[tuple[str, int, float]]:
   """(component, count in the model, ms of one forward+backward) for each part timed alone."""
   m = ml_collections.FrozenConfigDict(config.model)
-  B, T = batch["tokens"].shape
+  # The step splits its rows over the mesh's token shards: one device's share of them is what a layer
+  # of the step runs on, and so what is comparable with the step's time.
+  B = batch["tokens"].shape[0] // meshlib.token_shards(mesh)
+  batch = {k: v[:B] for k, v in batch.items()}
+  T = batch["tokens"].shape[1]
   x = jax.random.normal(jax.random.key(1), (B, T, m.d_model), jnp.dtype(m.dtype))
   seg = batch["segment_ids"]
   kinds = layer_kinds(m)
@@ -90,7 +95,9 @@ def component_times(config, batch, state, optimizer, mesh) -> list[tuple[str, in
 
 def component_table(config, batch, state, optimizer, step_ms: float | None, mesh) -> list[str]:
   """Markdown rows of the components timed alone, with their share of a step of step_ms (if given)."""
-  lines = ["", "Components timed alone (forward + backward, the step's shapes):", "",
+  rows, shards = batch["tokens"].shape[0], meshlib.token_shards(mesh)
+  lines = ["", f"Components timed alone (forward + backward, the step's shapes; one device's rows, "
+           f"{rows // shards} of {rows}):", "",
            "| component | count | ms each | ms in all | share of the step |", "|---|---|---|---|---|"]
   accounted = 0.0
   for name, count, ms in component_times(config, batch, state, optimizer, mesh):

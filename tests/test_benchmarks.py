@@ -1,6 +1,7 @@
 """The benchmarks' own arithmetic: the step's FLOP count and synthetic batches, the attention
 benchmark's pair count (the timing itself runs on the GPU, never in a test)."""
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -161,6 +162,21 @@ def test_kda_stress_run_end_to_end():
                         "--stress-heads", "1"], capture_output=True, text=True, timeout=300, cwd=root)
   assert out.returncode == 0, out.stderr[-2000:]
   assert "(B=1 H=1 D=32, chunk 32), forward and backward finite: True" in out.stdout
+
+
+def test_step_benchmark_on_a_mesh_times_components_on_one_devices_rows():
+  """`step.py --smoke --mesh data=2` on 2 of 8 CPU devices: the step runs on the mesh, and the
+  components, timed alone on one device, get that device's share of the rows (1 of 2), so that their
+  times compare with the step's."""
+  root = pathlib.Path(__file__).resolve().parent.parent
+  env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, str(root / "benchmarks" / "step.py"), "--smoke", "--only", "step",
+                        "--mesh", "data=2", "--mean-doc", "30"], capture_output=True, text=True, timeout=600,
+                       cwd=root, env=env)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "mesh data=2: step" in out.stderr + out.stdout
+  assert "one device's rows, 1 of 2):" in out.stdout
+  assert "| optimizer update | 1 |" in out.stdout
 
 
 def test_situ_glu_benchmark_smoke():
