@@ -93,6 +93,9 @@ def run(config, workdir: str) -> dict:
   total_steps = sum(s[1] for s in stages)
 
   mesh = make_mesh(**config.train.mesh, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+  if mesh.size < jax.device_count():
+    log.warning("train.mesh %s uses %d of the %d devices; the others stay idle", dict(config.train.mesh),
+                mesh.size, jax.device_count())
   state, optimizer, axes = init_state(model, config, jax.random.key(config.train.seed), total_steps)
   shardings = state_shardings(state, axes, mesh)
   state = jax.device_put(state, shardings)  # a restore comes back in the same placement
