@@ -78,8 +78,9 @@ def base_config() -> ml_collections.ConfigDict:
   a.kv_lora_rank = 16
   a.qk_nope_head_dim = ml_collections.FieldReference(16, field_type=int)
   a.v_head_dim = ml_collections.FieldReference(16, field_type=int)
-  # "auto": cuDNN on GPU in 16-bit (the Pallas flash kernel for packed rows past 16K tokens, where a
-  # dense document mask no longer fits), XLA elsewhere. "interpret" runs the Pallas kernel on CPU.
+  # "auto": on GPU in 16-bit, the Pallas document-attention kernels for packed rows and cuDNN for rows of
+  # one document (moejax.layers.mla.GatedMLA.implementation); XLA elsewhere. "interpret" runs the Pallas
+  # kernels on the CPU.
   a.attention = "auto"
 
   r = m.attnres = ml_collections.ConfigDict()
