@@ -105,8 +105,9 @@ def base_config() -> ml_collections.ConfigDict:
   e.routed_scaling = 1.0
   e.balance = "quantile"
   e.balance_iters = 4
-  # The exact quantile sweeps (balance="quantile" without expert parallelism; the histogram that runs
-  # with it is XLA): "auto" (Pallas kernels on GPU, XLA elsewhere), "xla", "pallas" (GPU only) or
+  # The exact quantile sweeps (balance="quantile" on one token shard; where a mesh splits the tokens,
+  # over data, fsdp or expert, the bias comes from a histogram in XLA across the shards and this option
+  # is not used): "auto" (Pallas kernels on GPU, XLA elsewhere), "xla", "pallas" (GPU only) or
   # "interpret" (the kernels in Pallas interpret mode, slow; for tests). All give the same bias.
   e.balance_implementation = "auto"
   e.histogram_bins = 2048
@@ -295,8 +296,17 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   e = m.moe
   if m.num_dense_layers < m.num_layers:
     need(e.num_experts >= 1, "model.moe.num_experts must be >= 1")
-    need(1 <= e.top_k <= e.num_experts,
-         f"model.moe.top_k={e.top_k} must be in [1, num_experts={e.num_experts}]")
+    need(2 <= e.top_k <= e.num_experts,
+         f"model.moe.top_k={e.top_k} must be in [2, num_experts={e.num_experts}]: the routing weights "
+         f"are the chosen scores normalised over the top k, which at k=1 is the constant routed_scaling, "
+         f"so the router would get no gradient from the loss")
+    need(e.routed_scaling > 0, f"model.moe.routed_scaling={e.routed_scaling} must be positive")
+    need(e.capacity_factor > 0,
+         f"model.moe.capacity_factor={e.capacity_factor} must be positive (expert parallelism's buffers)")
+    need(isinstance(e.histogram_bins, int) and e.histogram_bins >= 2,
+         f"model.moe.histogram_bins must be an integer >= 2, got {e.histogram_bins!r}")
+    need(e.sign_rate > 0 and e.aux_loss_weight >= 0 and e.balance_iters >= 1,
+         "model.moe.sign_rate must be positive, aux_loss_weight >= 0 and balance_iters >= 1")
     need(e.balance in BALANCE_MODES, f"model.moe.balance={e.balance!r} not in {BALANCE_MODES}")
     need(e.grouped_matmul in GROUPED_MATMULS,
          f"model.moe.grouped_matmul={e.grouped_matmul!r} not in {GROUPED_MATMULS}")

@@ -8,8 +8,10 @@ import ml_collections
 import numpy as np
 import pytest
 
+from moejax.balance import quantile_bias
 from moejax.config import base_config
 from moejax.layers.moe import MoE
+from moejax.layers.router import router_scores
 from pallas_kernels.segments import document_ids
 
 B, T = 2, 8
@@ -134,6 +136,11 @@ def test_sown_stats_and_bias_has_no_gradient(setup):
   assert int(stats["dropped"]) == 0
   assert stats["bias_next"].shape == (cfg.moe.num_experts,)
   assert abs(float(stats["bias_next"].mean())) < 1e-6
+  # The layer hands quantile_bias the unbiased scores, its k, the current bias and its sweep count.
+  s_ME = router_scores(x.reshape(B * T, -1), params["router"], cfg.moe.router_matmul)
+  want = quantile_bias(s_ME, cfg.moe.top_k, balance["bias"], cfg.moe.balance_iters)
+  bits = lambda a: np.asarray(a).view(np.uint32)
+  np.testing.assert_array_equal(bits(stats["bias_next"]), bits(want))
 
   grad_bias = jax.jit(jax.grad(lambda b: jnp.sum(model.apply({"params": params, "balance": b}, x))))(balance)
   chex.assert_trees_all_equal(grad_bias, jax.tree.map(jnp.zeros_like, balance))
