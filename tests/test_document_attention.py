@@ -188,8 +188,28 @@ def test_max_logit_leaves_out_the_padding_rows():
   np.testing.assert_allclose(max_H, want, rtol=1e-5)
 
 
+def test_blocked_max_logits_leave_out_the_padding_rows():
+  """moejax.layers.mla.max_logits, the XLA paths' QK-clip statistic, on blocks that pad T=83 to 96:
+  with every real logit negative, its padded query rows (zero, so logit 0 against padded keys) must not
+  count, as the kernels' do not."""
+  from moejax.layers.mla import max_logits
+  from pallas_kernels.segments import document_ids
+
+  q, k, _, _ = inputs(6)
+  q, k = jnp.abs(q) + 0.1, -jnp.abs(k) - 0.1
+  seg = np.stack([segments_from_lengths([30, 20], T)] * B)
+  want = numpy_max_logits(q, k, seg)
+  assert np.all(want < 0)
+  got = max_logits(q, k, document_ids(jnp.asarray(seg)), SCALE, chunk=32)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 def test_bad_inputs_raise():
   q, k, v, _ = inputs(0)
+  with pytest.raises(ValueError, match=r"v \[B,T,H,V\]"):
+    document_attention(q, k, v[..., 0], scale=1.0, implementation="interpret")
+  with pytest.raises(ValueError, match="floating point"):
+    document_attention(*(x.astype(jnp.int32) for x in (q, k, v)), scale=1.0, implementation="xla")
   with pytest.raises(ValueError, match="implementation"):
     document_attention(q, k, v, scale=1.0, implementation="cuda")
   with pytest.raises(ValueError, match="one shape"):

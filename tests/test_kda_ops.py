@@ -196,6 +196,7 @@ def test_bad_inputs_raise_clear_errors():
       (dict(implementation="cuda"), "unknown KDA implementation"),
       (dict(chunk_size=24), "chunk_size must be a positive multiple of 16"),
       (dict(chunk_size=0), "chunk_size must be a positive multiple of 16"),
+      (dict(scale=jnp.ones(4)), "scale must be a scalar"),
   ]
   base = dict(q=q, k=k, v=v, g=g, beta=beta)
   for override, message in cases:

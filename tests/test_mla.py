@@ -229,6 +229,18 @@ def test_decode_rejects_cache_overflow():
     BASE_LAYER.apply({"params": BASE_PARAMS}, BASE_X, cache, method="decode")
 
 
+def test_decode_past_the_cache_under_jit_gives_nan():
+  """Under jit the index is traced, so the overflow cannot raise: the outputs say it instead."""
+  cache = init_mla_cache(BASE, batch=2, max_len=14)
+  decode = jax.jit(lambda x, c: BASE_LAYER.apply({"params": BASE_PARAMS}, x, c, method="decode"))
+  y, cache = decode(BASE_X, cache)  # 11 of 14
+  assert bool(jnp.all(jnp.isfinite(y)))
+  y, cache = decode(BASE_X[:, :3], cache)  # 14 of 14: fits exactly
+  assert bool(jnp.all(jnp.isfinite(y)))
+  y, _ = decode(BASE_X[:, :1], cache)
+  assert bool(jnp.all(jnp.isnan(y)))
+
+
 def test_bad_inputs_raise():
   layer, params, x = BASE_LAYER, BASE_PARAMS, BASE_X
   with pytest.raises(ValueError, match="D=64"):

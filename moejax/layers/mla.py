@@ -42,7 +42,7 @@ def max_logits(q_BTHK, k_BTHK, doc_BT, scale: float, chunk: int = 512):
   blocks = lambda x, fill: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2),
                                    constant_values=fill).reshape(B, n, chunk, *x.shape[2:]).swapaxes(0, 1)
   q_NBCHK, k_NBCHK = blocks(q_BTHK, 0), blocks(k_BTHK, 0)
-  doc_NBC = blocks(doc_BT, -1)  # padding matches no document
+  doc_NBC = blocks(doc_BT, -1)  # padded keys match no real query's document
   pos_NC = jnp.arange(n * chunk).reshape(n, chunk)
 
   def query_block(i):
@@ -50,7 +50,8 @@ def max_logits(q_BTHK, k_BTHK, doc_BT, scale: float, chunk: int = 512):
       logits_BHCS = jnp.einsum("bchk,bshk->bhcs", q_NBCHK[i], k_NBCHK[j],
                                preferred_element_type=jnp.float32) * scale
       ok_BCS = ((doc_NBC[i][:, :, None] == doc_NBC[j][:, None, :])
-                & (pos_NC[j][None, None, :] <= pos_NC[i][None, :, None]))
+                & (pos_NC[j][None, None, :] <= pos_NC[i][None, :, None])
+                & (pos_NC[i][None, :, None] < T))  # padded rows would see padded keys, logit 0
       block_H = jnp.max(jnp.where(ok_BCS[:, None], logits_BHCS, -jnp.inf), axis=(0, 2, 3))
       return jnp.maximum(running_H, block_H)
 
@@ -175,6 +176,9 @@ class GatedMLA(nn.Module):
   def decode(self, x_BSD, cache):
     """Appends S tokens (S >= 1) of one document per row to `cache`; returns (y_BSD, new cache).
 
+    Writing past the cache's length raises where `index` is concrete; under jit, where it is traced,
+    the outputs of such a call are NaN instead (the write itself cannot be stopped there).
+
     Scores are q^T W_uk^T c = (W_uk q)^T c and outputs W_uv^T (sum_j p_j c_j), so attention runs
     in the kv_lora space as multi-query attention with a single latent head for keys and values.
     """
@@ -202,4 +206,7 @@ class GatedMLA(nn.Module):
                                            scale=self.cfg.mla.qk_nope_head_dim ** -0.5,
                                            implementation="xla")
     o_BSHV = matmul("bshc,chv->bshv", oc_BSHC, self.w_uv, self.dtype)
-    return self.gated_output(x_BSD, o_BSHV), {"latent": latent_BLC, "index": index + S}
+    y_BSD = self.gated_output(x_BSD, o_BSHV)
+    if isinstance(index, jax.core.Tracer):
+      y_BSD = jnp.where(index + S > L, jnp.nan, y_BSD)
+    return y_BSD, {"latent": latent_BLC, "index": index + S}

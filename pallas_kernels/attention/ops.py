@@ -61,11 +61,14 @@ def document_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: fl
   """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-  if q_BTHD.ndim != 4 or k_BTHD.shape != q_BTHD.shape or v_BTHV.shape[:3] != q_BTHD.shape[:3]:
+  if (q_BTHD.ndim != 4 or v_BTHV.ndim != 4 or k_BTHD.shape != q_BTHD.shape
+      or v_BTHV.shape[:3] != q_BTHD.shape[:3]):
     raise ValueError(f"want q, k [B,T,H,D] of one shape and v [B,T,H,V]; got {q_BTHD.shape}, "
                      f"{k_BTHD.shape}, {v_BTHV.shape}")
   if len({q_BTHD.dtype, k_BTHD.dtype, v_BTHV.dtype}) != 1:
     raise ValueError(f"q, k, v must share a dtype; got {q_BTHD.dtype}, {k_BTHD.dtype}, {v_BTHV.dtype}")
+  if not jnp.issubdtype(q_BTHD.dtype, jnp.floating):
+    raise ValueError(f"q, k, v must be floating point, got {q_BTHD.dtype}")
   B, T, H, _ = q_BTHD.shape
   if segment_ids_BT is not None:
     if tuple(segment_ids_BT.shape) != (B, T) or not jnp.issubdtype(segment_ids_BT.dtype, jnp.integer):

@@ -54,6 +54,8 @@ def check_inputs(q, k, v, g, beta, initial_state=None, segment_ids=None) -> Dims
 
 
 def resolve_scale(scale, K: int):
+  if scale is not None and jnp.ndim(scale) != 0:
+    raise ValueError(f"chunk_kda: scale must be a scalar (None: K**-0.5), got shape {jnp.shape(scale)}")
   return K**-0.5 if scale is None else scale
 
 

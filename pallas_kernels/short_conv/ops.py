@@ -54,8 +54,10 @@ class Blocks:
 
 def conv_silu(x_BTC, w_WC, doc_BT=None, *, implementation: str | None = None, out_dtype=None,
               normalize_eps: float | None = None, blocks: Blocks | None = None):
-  """silu(short_conv(x, w, doc)); see the module docstring. doc_BT: int document ids (None: one
-  document per row); a tap reaches only earlier positions of its own document. normalize_eps: when
+  """silu(short_conv(x, w, doc)); see the module docstring. doc_BT: int document ids, one id per
+  document (None: one document per row); a tap reaches only earlier positions of the same id. Segment
+  ids that a later document may repeat (a run of equal ids is a document, as chunk_kda and
+  document_attention read them) go through pallas_kernels.segments.document_ids first. normalize_eps: when
   given, each output vector over the last axis is l2-normalised, y / sqrt(|y|^2 + eps)."""
   if implementation is None:
     implementation = "pallas" if jax.default_backend() == "gpu" else "xla"
