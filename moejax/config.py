@@ -363,8 +363,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(float(config.data.valid_fraction) > 0,
          f"train.eval_every={t.eval_every} evaluates on the validation split, but data.valid_fraction=0 "
          "leaves it empty: set data.valid_fraction > 0 or train.eval_every = 0")
-  # Stage i's train stream is shuffled with data.seed + i (moejax.train).
   need(isinstance(t.seed, int) and 0 <= t.seed < 2**32, f"train.seed={t.seed!r} must be in [0, 2**32)")
+  # Stage i's train stream is shuffled with data.seed + i (moejax.train).
   need(int(config.data.seed) + len(t.stages) - 1 < 2**32,
        f"data.seed={config.data.seed}: stage i shuffles with data.seed + i, which must stay below 2**32 "
        f"for all {len(t.stages)} stages")

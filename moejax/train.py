@@ -46,11 +46,10 @@ def _batch_iterator(config, stage, split, seed, manifest_path=None):
   return make_iterator(config.data, split, seq_len, tokens // seq_len, seed, manifest_path=manifest_path)
 
 
-def _pin_data(workdir: str, manifest_path: str, resuming: bool) -> None:
+def _pin_data(workdir: str, manifest_path: str, manifest: dict, resuming: bool) -> None:
   """Records the corpus content and tokenizer that the run trains on (workdir/data.json); a resume on
   other data (a corpus edited since, another tokenizer) is refused: the weights would read token ids
   with other meanings, and the saved data position would index another dataset."""
-  manifest = load_manifest(manifest_path)
   tokenizer_file = os.path.join(os.path.dirname(manifest_path), manifest["tokenizer"]["file"])
   with open(tokenizer_file, "rb") as f:
     tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()
@@ -104,7 +103,7 @@ def run(config, workdir: str) -> dict:
   manager = ckpt_lib.Manager(os.path.join(workdir, "checkpoints"), config.train.keep_checkpoints)
   data_it = _iterator_for_step(config, stages, 0, manifest_path)
   restored = manager.restore_latest(state, lambda s: _iterator_for_step(config, stages, s, manifest_path))
-  _pin_data(workdir, manifest_path, resuming=restored is not None)
+  _pin_data(workdir, manifest_path, manifest, resuming=restored is not None)
   if restored is not None:
     state, data_it = restored
     log.info("resumed from step %d", int(state.step))

@@ -300,7 +300,8 @@ def test_resuming_on_other_data_is_refused(reference, tmp_path):
   which changes the content and retrains the tokenizer) stops before any step."""
   copy_checkpoints(reference["workdir"], tmp_path, [20])
   config = reference["config"]
-  train._pin_data(str(tmp_path), train.prepare(config.data), resuming=False)  # as the run's first start
+  manifest_path = train.prepare(config.data)  # pinned as the run's first start would have
+  train._pin_data(str(tmp_path), manifest_path, train.load_manifest(manifest_path), resuming=False)
   other = make_config(config.data.cache_dir, **{"data.max_bytes": 200_000})
   with pytest.raises(ConfigError, match="trained on other data"):
     train.run(other, str(tmp_path))
