@@ -69,6 +69,7 @@ from benchmarks.step_setup import (  # noqa: E402
   total_steps,
 )
 from benchmarks.timing import matmul_rate  # noqa: E402
+from moejax.config import passes_per_step  # noqa: E402
 from moejax.layers.mla import GatedMLA  # noqa: E402
 from moejax.model import build_model  # noqa: E402
 from moejax.muon import NS_STEPS, resolve_ns  # noqa: E402
@@ -180,8 +181,9 @@ def bench_step(args, device, write) -> list[str]:
   sizes = parse_mesh(args.mesh) if args.mesh is not None else {"expert": len(jax.devices())}
   mesh = make_mesh(sizes)
   n_dev = mesh.size
-  if (tokens // seq_len) % meshlib.token_shards(mesh):
-    raise ValueError(f"{tokens // seq_len} rows per step do not split over the mesh's "
+  passes = passes_per_step(seq_len, tokens, config.train.microbatch_tokens)
+  if (tokens // seq_len // passes) % meshlib.token_shards(mesh):
+    raise ValueError(f"{tokens // seq_len // passes} rows per pass do not split over the mesh's "
                      f"{meshlib.token_shards(mesh)} token shards")
   r = time_steps(config, batch, args.steps, mesh)
   peak = peak_memory_bytes()
@@ -194,9 +196,10 @@ def bench_step(args, device, write) -> list[str]:
   log(f"mesh {mesh_text}: step {step_ms:.1f} ms, {tokens_per_s:,.0f} tokens/s "
       f"({tokens_per_s / n_dev:,.0f} per device), {flops['total'] / 1e9:.2f} GFLOP/token, "
       f"MFU {mfu:.1%}, peak memory {mem}, compile {r['compile_s']:.0f} s, dropped {r['dropped']:.0f}")
+  in_passes = f"; {passes} passes of {tokens // passes} tokens each" if passes > 1 else ""
   lines = [
-      f"`{args.config}` at seq_len {seq_len}, {tokens} tokens per step ({tokens // seq_len} rows) of "
-      f"synthetic packed documents (mean length {args.mean_doc}), {args.steps} timed steps, mesh "
+      f"`{args.config}` at seq_len {seq_len}, {tokens} tokens per step ({tokens // seq_len} rows{in_passes}) "
+      f"of synthetic packed documents (mean length {args.mean_doc}), {args.steps} timed steps, mesh "
       f"{mesh_text}. Peak memory is device 0's"
       + ("." if args.no_components else "; components are timed alone on one device."),
       "", "| figure | value |", "|---|---|",

@@ -14,6 +14,7 @@ import ml_collections
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from benchmarks.step_setup import log  # noqa: E402
 from benchmarks.timing import time_ms  # noqa: E402
+from moejax.config import passes_per_step  # noqa: E402
 from moejax.layers.ffn import SiTUGLU  # noqa: E402
 from moejax.layers.kda import KDA  # noqa: E402
 from moejax.layers.mla import GatedMLA  # noqa: E402
@@ -51,12 +52,20 @@ def layer_fwd_bwd(module, mutable):
   return jax.value_and_grad(loss, argnums=(0, 1))
 
 
+def rows_per_device(config, batch, mesh) -> tuple[int, int]:
+  """(passes per step, rows of one pass on one device) of the step on `batch`."""
+  rows, T = batch["tokens"].shape
+  passes = passes_per_step(T, rows * T, config.train.microbatch_tokens)
+  return passes, rows // passes // meshlib.token_shards(mesh)
+
+
 def component_times(config, batch, state, optimizer, mesh) -> list[tuple[str, int, float]]:
   """(component, count in the model, ms of one forward+backward) for each part timed alone."""
   m = ml_collections.FrozenConfigDict(config.model)
-  # The step splits its rows over the mesh's token shards: one device's share of them is what a layer
-  # of the step runs on, and so what is comparable with the step's time.
-  B = batch["tokens"].shape[0] // meshlib.token_shards(mesh)
+  # The step splits its rows into passes (train.microbatch_tokens) and each pass over the mesh's token
+  # shards: one device's share of one pass is what a layer of the step runs on, as many times as the
+  # step has passes.
+  passes, B = rows_per_device(config, batch, mesh)
   batch = {k: v[:B] for k, v in batch.items()}
   T = batch["tokens"].shape[1]
   x = jax.random.normal(jax.random.key(1), (B, T, m.d_model), jnp.dtype(m.dtype))
@@ -69,7 +78,7 @@ def component_times(config, batch, state, optimizer, mesh) -> list[tuple[str, in
     variables = jax.jit(module.init)(jax.random.key(2), x, seg)
     rest = {k: v for k, v in variables.items() if k != "params"}
     fn = jax.jit(layer_fwd_bwd(module, mutable))
-    rows.append((name, count, time_ms(fn, variables["params"], x, seg, rest)))
+    rows.append((name, count * passes, time_ms(fn, variables["params"], x, seg, rest)))
     log(f"  timed {name}: {rows[-1][2]:.2f} ms")
 
   layer("KDA layer", "kda", sum(k == "kda" for k, _ in kinds))
@@ -85,7 +94,7 @@ def component_times(config, batch, state, optimizer, mesh) -> list[tuple[str, in
     return cross_entropy(h, w, batch["targets"], batch["loss_mask"], z_loss_weight=m.loss.z_loss_weight,
                          chunk=m.loss.chunk_tokens)[0]
 
-  rows.append(("LM head + loss", 1, time_ms(jax.jit(jax.value_and_grad(head_loss, (0, 1))), head, x)))
+  rows.append(("LM head + loss", passes, time_ms(jax.jit(jax.value_and_grad(head_loss, (0, 1))), head, x)))
   grads = jax.tree.map(jnp.ones_like, state.params)
   update = jax.jit(lambda g, s, p: optimizer.update(g, s, p))
   with jax.set_mesh(mesh):  # the mesh the state lives on: Muon's "auto" and its kernels' placement read it
@@ -95,9 +104,10 @@ def component_times(config, batch, state, optimizer, mesh) -> list[tuple[str, in
 
 def component_table(config, batch, state, optimizer, step_ms: float | None, mesh) -> list[str]:
   """Markdown rows of the components timed alone, with their share of a step of step_ms (if given)."""
-  rows, shards = batch["tokens"].shape[0], meshlib.token_shards(mesh)
-  lines = ["", f"Components timed alone (forward + backward, the step's shapes; one device's rows, "
-           f"{rows // shards} of {rows}):", "",
+  passes, per_device = rows_per_device(config, batch, mesh)
+  of_pass = f" of one of its {passes} passes" if passes > 1 else ""
+  lines = ["", f"Components timed alone (forward + backward, the step's shapes; one device's rows{of_pass}, "
+           f"{per_device} of {batch['tokens'].shape[0]}; counts per step):", "",
            "| component | count | ms each | ms in all | share of the step |", "|---|---|---|---|---|"]
   accounted = 0.0
   for name, count, ms in component_times(config, batch, state, optimizer, mesh):
@@ -106,7 +116,8 @@ def component_table(config, batch, state, optimizer, step_ms: float | None, mesh
     lines.append(f"| {name} | {count} | {ms:.2f} | {count * ms:.1f} | {share} |")
   if step_ms:
     rest = step_ms - accounted
-    lines.append(f"| rest (AttnRes, embedding, balance, glue) | | | {rest:.1f} | {rest / step_ms:.0%} |")
+    what = "AttnRes, embedding, balance, glue" + (", gradient accumulation" if passes > 1 else "")
+    lines.append(f"| rest ({what}) | | | {rest:.1f} | {rest / step_ms:.0%} |")
   else:
     lines.append(f"| sum | | | {accounted:.1f} | - |")
   return lines

@@ -5,6 +5,7 @@ long (1M-token) step. benchmarks/step.py times with these; memory_plan.py, hlo_t
 newton_schulz.py compile or count with them.
 """
 
+import ast
 import contextlib
 import pathlib
 import sys
@@ -39,7 +40,7 @@ def log(msg: str) -> None:
 
 def load_config(path: str, overrides: list[str], smoke: bool = False):
   """The experiment's get_config(), shrunk by `smoke_config` if asked, then `key=value` overrides
-  (parsed to the field's type), validated."""
+  (parsed to the field's type; tuples as Python literals), validated."""
   config = load_experiment(path)
   if smoke:
     config = smoke_config(config)
@@ -54,6 +55,8 @@ def load_config(path: str, overrides: list[str], smoke: bool = False):
     old = node[leaf]
     if isinstance(old, bool):
       node[leaf] = value.lower() in ("1", "true", "yes")
+    elif isinstance(old, tuple | list):
+      node[leaf] = ast.literal_eval(value)  # train.stages=((8192, 10, 32768),)
     elif isinstance(old, int | float):
       node[leaf] = type(old)(value)
     else:
@@ -62,7 +65,8 @@ def load_config(path: str, overrides: list[str], smoke: bool = False):
 
 
 def smoke_config(config):
-  """Shrinks a config to CPU size, keeping its layer pattern, balance mode and optimiser."""
+  """Shrinks a config to CPU size, keeping its layer pattern, balance mode, optimiser and gradient
+  accumulation."""
   m = config.model
   config.data.vocab_size = 512
   m.update(d_model=64, num_layers=4, dtype="float32")
@@ -72,6 +76,8 @@ def smoke_config(config):
   m.ffn.hidden_dim = 128
   m.moe.update(num_experts=8, top_k=2, shared_hidden_dim=64, latent_dim=32, expert_hidden_dim=32)
   config.train.stages = ((256, 10, 512),)
+  if config.train.microbatch_tokens:  # a config that accumulates keeps doing so: two passes of a row
+    config.train.microbatch_tokens = 256
   return config
 
 

@@ -32,6 +32,9 @@ def get_config():
   c.model.moe.token_chunk = 131_072
   c.model.ffn.token_chunk = 131_072
   t = c.train
+  # One pass per step, as the 1M-token step was measured; passes of fewer rows at the shorter stages
+  # (train.microbatch_tokens) are not measured here.
+  t.microbatch_tokens = 0
   t.stages = (
       (8_192, 2_000, 524_288),
       (65_536, 500, 524_288),

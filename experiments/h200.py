@@ -5,7 +5,8 @@ python benchmarks/step.py --config experiments/h200.py
 
 1.35B parameters in all, 357M active per token (`python -m moejax.params --config experiments/h200.py`):
 16 layers in the 3:1 KDA:MLA pattern, 64 routed LatentMoE experts (top 8, latent width 512) plus one
-shared expert, quantile balancing, Muon with QK-clip. Trains at 8K context, 32K tokens per step.
+shared expert, quantile balancing, Muon with QK-clip. Trains at 8K context, 128K tokens per step in
+four passes of 32K (gradient accumulation), 164M tokens in all.
 """
 
 from moejax.config import base_config
@@ -54,16 +55,20 @@ def get_config():
   c.optim.name = "muon"
   c.optim.lr = 0.02
   c.optim.adam_lr = 3e-4
-  c.optim.warmup_steps = 200
+  c.optim.warmup_steps = 50
   c.optim.qk_clip_tau = 100.0
 
   t = c.train
-  t.stages = ((8_192, 5_000, 32_768),)
+  # 128K tokens per update, in passes of 32K (4 rows): what one pass holds is what fits the card (one
+  # 32K pass peaked at 70.7 GiB on the H200, 2026-12-05), and the optimizer's update, about a sixth
+  # of a 32K step's time, comes once per 128K tokens. A 32K batch is also small for a model this size.
+  t.stages = ((8_192, 1_250, 131_072),)
+  t.microbatch_tokens = 32_768
   # cuBLAS for the dense matmuls, as every step benchmark of this config ran them: with XLA's own
   # Triton GEMMs autotuned the step had not finished compiling after 225 s (benchmarks/step.py).
   t.xla_triton_gemm = False
   t.log_every = 10
-  t.eval_every = 250
+  t.eval_every = 100
   t.eval_batches = 2
-  t.checkpoint_every = 250
+  t.checkpoint_every = 100
   return c

@@ -159,6 +159,10 @@ def base_config() -> ml_collections.ConfigDict:
   t = c.train = ml_collections.ConfigDict()
   # Progressive context: (seq_len, steps, tokens per batch) per stage, run in order.
   t.stages = ((128, 200, 4096),)  # a tuple, so --config.train.stages="((128, 30, 2048),)" works
+  # Gradient accumulation: each step's batch runs forward and backward in passes of at most this many
+  # tokens (whole rows, at least one row a pass), and the optimizer updates once on their summed
+  # gradients. 0: the whole batch in one pass. `passes_per_step` gives the count of a stage.
+  t.microbatch_tokens = 0
   t.seed = 0  # parameter initialisation (the data order is data.seed)
   t.log_every = 10
   t.eval_every = 100
@@ -187,6 +191,20 @@ def base_config() -> ml_collections.ConfigDict:
   # experts over expert, params by their logical axes. All ones: one device.
   t.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": 1, "expert": 1, "tensor": 1})
   return c
+
+
+def passes_per_step(seq_len: int, tokens: int, microbatch_tokens: int) -> int:
+  """How many forward/backward passes a step of `tokens` tokens in rows of `seq_len` takes under
+  train.microbatch_tokens: each pass takes the most whole rows that fit `microbatch_tokens`, and at
+  least one (0: the whole batch at once). Raises ConfigError when those passes cannot be equal."""
+  rows = tokens // seq_len
+  if not microbatch_tokens:
+    return 1
+  per_pass = max(1, min(rows, microbatch_tokens // seq_len))
+  if rows % per_pass:
+    raise ConfigError(f"train.microbatch_tokens={microbatch_tokens} takes {per_pass} rows of {seq_len} a "
+                      f"pass, which does not divide the {rows} rows of a {tokens}-token batch")
+  return rows // per_pass
 
 
 def load_experiment(path) -> ml_collections.ConfigDict:
@@ -374,18 +392,27 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
        f"train.mesh must have exactly the axes data, fsdp, expert, tensor; got {sorted(t.mesh)}")
   need(all(isinstance(n, int) and n >= 1 for n in t.mesh.values()),
        f"train.mesh sizes must be positive integers, got {dict(t.mesh)}")
+  need(isinstance(t.microbatch_tokens, int) and not isinstance(t.microbatch_tokens, bool)
+       and t.microbatch_tokens >= 0,
+       f"train.microbatch_tokens must be an integer >= 0 (0: one pass a step), got {t.microbatch_tokens!r}")
   row_shards = t.mesh.data * t.mesh.fsdp * t.mesh.expert
-  for i, (seq_len, _, tokens) in enumerate(t.stages):
+  for i, (seq_len, _, stage_tokens) in enumerate(t.stages):
+    try:
+      passes = passes_per_step(seq_len, stage_tokens, t.microbatch_tokens)
+    except ConfigError as e:
+      raise ConfigError(f"train.stages[{i}]: {e}") from None
+    # What one pass holds: the layers see a pass, never the whole batch at once.
+    tokens = stage_tokens // passes
     need((tokens // seq_len) % row_shards == 0,
-         f"train.stages[{i}] has {tokens // seq_len} rows per batch, not divisible by the "
+         f"train.stages[{i}] has {tokens // seq_len} rows per pass, not divisible by the "
          f"{row_shards} row shards of train.mesh (data x fsdp x expert)")
-    # The chunked passes refuse a chunk that does not divide what they split, but only when the stage's
+    # The chunked layers refuse a chunk that does not divide what they split, but only when the stage's
     # step first compiles, which for a late stage is hours into the run.
     for field, chunk, total, what in (
         ("model.kda.seq_chunk", m.kda.seq_chunk, seq_len, "row length"),
-        ("model.ffn.token_chunk", m.ffn.token_chunk, tokens, "tokens per batch"),
+        ("model.ffn.token_chunk", m.ffn.token_chunk, tokens, "tokens per pass"),
         ("model.moe.token_chunk", m.moe.token_chunk if m.num_dense_layers < m.num_layers else 0,
-         tokens // row_shards, "tokens per row shard")):
+         tokens // row_shards, "tokens per row shard of a pass")):
       need(not chunk or total <= chunk or total % chunk == 0,
            f"{field}={chunk} does not divide train.stages[{i}]'s {what}, {total}")
   if m.num_dense_layers < m.num_layers:

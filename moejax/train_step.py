@@ -15,6 +15,7 @@ import optax
 
 from moejax import balance as balance_lib
 from moejax import metrics as metrics_lib
+from moejax.config import passes_per_step
 from moejax.loss import cross_entropy
 from moejax.model import Transformer, init_variables, per_layer
 from moejax.optim import dict_to_cfg, learning_rate_schedule, make_optimizer, qk_clip
@@ -115,6 +116,25 @@ def _mla_max_logits(attn_stats):
   return {prefix: jnp.max(jnp.stack(vs), axis=0) for prefix, vs in sown.items()}
 
 
+# How each sown statistic of a pass combines over a step's passes (train_step's `accumulated`).
+_PASS_COMBINE = {"load": lambda x: jnp.sum(x, 0), "dropped": lambda x: jnp.sum(x, 0),
+                 "aux_loss": lambda x: jnp.mean(x, 0), "bias_next": lambda x: x[-1],
+                 "max_logit": lambda x: jnp.max(x, 0)}
+
+
+def _combine_passes(stats_P):
+  """The sown collections of a step's passes (each leaf stacked over passes, axis 0) as one step's:
+  `_PASS_COMBINE` by the statistic's name."""
+  def combine(path, x):
+    names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and k.key in _PASS_COMBINE]
+    if not names:
+      raise ValueError(f"no rule combines the sown statistic {jax.tree_util.keystr(path)} over a step's "
+                       f"passes (train.microbatch_tokens): add one to _PASS_COMBINE")
+    return _PASS_COMBINE[names[-1]](x)
+
+  return jax.tree_util.tree_map_with_path(combine, stats_P)
+
+
 def applied_updates(opt_state) -> jax.Array:
   """How many updates the optimizer has applied: its step `count`. Skipped (non-finite) steps keep
   the whole old optimizer state, so every count in the chain stays equal to this."""
@@ -132,7 +152,8 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
   # Max attention logits cost an extra QK^T pass, so they are collected only when QK-clip uses them.
   mutable = ["router", "attn_stats"] if config.optim.qk_clip_tau > 0 else ["router"]
 
-  def loss_fn(params, balance_vars, batch):
+  def loss_fn(params, balance_vars, batch, ce_weight=1.0, aux_weight=1.0):
+    """ce_weight * cross-entropy + aux_weight * the MoE aux losses, for one pass over `batch`."""
     h_BTD, stats = model.apply({"params": params, "balance": balance_vars}, batch["tokens"],
                                batch["segment_ids"], mutable=mutable)
     with jax.named_scope("lm_head_loss"):
@@ -140,11 +161,54 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
                                     z_loss_weight=cfg.loss.z_loss_weight, chunk=cfg.loss.chunk_tokens)
     aux = _sum_leaves(stats.get("router", {}), "aux_loss")
     metrics["aux_loss"] = aux
-    return loss + aux, (metrics, stats)
+    return ce_weight * loss + aux_weight * aux, (metrics, stats)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def accumulated(params, balance_vars, batch, passes: int):
+    """(loss, (metrics, stats), grads, balance after the last pass) of the batch in `passes` passes
+    (train.microbatch_tokens), as `grad_fn` and `next_balance_state` give them for the batch at once.
+
+    Pass p takes rows p, p + passes, ...: a row shard, a contiguous block of rows, holds its share of
+    every pass. The cross-entropy is weighted by each pass's share of the batch's loss-mask weight, so
+    the summed loss and gradients are the whole batch's; each pass's aux loss weighs 1/passes. Each
+    pass routes with the balance state the pass before it left (causal, as between steps), so a step
+    of n passes makes n balance updates: n sign steps under "sign", the last pass's bias under
+    "quantile". The router loads, drops and max attention logits are combined over the passes.
+    """
+    rows_PB = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // passes, passes, *x.shape[1:]),
+                                                  0, 1), batch)
+    total = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+
+    def one_pass(carry, rows):
+      acc, balance = carry
+      ce_weight = jnp.sum(rows["loss_mask"].astype(jnp.float32)) / total
+      (loss, (metrics, stats)), grads = grad_fn(params, balance, rows, ce_weight, 1.0 / passes)
+      with jax.named_scope("accumulate"):
+        acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+      balance = balance_lib.next_balance_state(cfg.moe.balance, balance, stats.get("router", {}), cfg.moe)
+      return (acc, balance), (loss, ce_weight, metrics, stats)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
+    (acc, balance), (loss_P, weight_P, metrics_P, stats_P) = jax.lax.scan(one_pass, (zeros, balance_vars),
+                                                                           rows_PB)
+    grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+    by_weight = lambda x: jnp.sum(weight_P * x)  # per-token means, as the whole batch's
+    combine = {"nll": by_weight, "z_loss": by_weight, "tokens": jnp.sum, "aux_loss": jnp.mean}
+    if unknown := set(metrics_P) - set(combine):
+      raise ValueError(f"no rule combines the metrics {sorted(unknown)} over a step's passes")
+    metrics = {name: combine[name](x) for name, x in metrics_P.items()}
+    return jnp.sum(loss_P), (metrics, _combine_passes(stats_P)), grads, balance
 
   def train_step(state: TrainState, batch):
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (loss, (metrics, stats)), grads = grad_fn(state.params, state.balance, batch)
+    B, T = batch["tokens"].shape
+    passes = passes_per_step(T, B * T, config.train.microbatch_tokens)
+    if passes == 1:
+      (loss, (metrics, stats)), grads = grad_fn(state.params, state.balance, batch)
+      new_balance = balance_lib.next_balance_state(cfg.moe.balance, state.balance, stats.get("router", {}),
+                                                   cfg.moe)
+    else:
+      loss, (metrics, stats), grads, new_balance = accumulated(state.params, state.balance, batch, passes)
     # The named scopes label the step's parts in profiles (benchmarks/trace_parts.py).
     with jax.named_scope("optimizer"):
       grad_norm = optax.tree.norm(grads)
@@ -153,7 +217,6 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
       if config.optim.qk_clip_tau > 0:
         params = qk_clip(params, _mla_max_logits(stats.get("attn_stats", {})), config.optim.qk_clip_tau)
     router_stats = stats.get("router", {})
-    new_balance = balance_lib.next_balance_state(cfg.moe.balance, state.balance, router_stats, cfg.moe)
 
     # A non-finite loss or gradient skips the whole update, balance state included.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

@@ -4,7 +4,7 @@ import pathlib
 
 import pytest
 
-from moejax.config import ConfigError, base_config, load_experiment, validate
+from moejax.config import ConfigError, base_config, load_experiment, passes_per_step, validate
 
 EXPERIMENTS = sorted(pathlib.Path(__file__).parent.parent.glob("experiments/*.py"))
 
@@ -79,13 +79,31 @@ def _with(**overrides):
     (dict(model__kda__seq_chunk=96, train__stages=((128, 3, 1024), (192, 3, 1536))),
      r"model.kda.seq_chunk=96 does not divide train.stages\[0\]'s row length, 128"),
     (dict(model__ffn__token_chunk=768, train__stages=((128, 3, 1024), (256, 3, 1536))),
-     r"model.ffn.token_chunk=768 does not divide train.stages\[0\]'s tokens per batch, 1024"),
+     r"model.ffn.token_chunk=768 does not divide train.stages\[0\]'s tokens per pass, 1024"),
     (dict(model__moe__token_chunk=384, train__mesh=dict(data=2, fsdp=1, expert=1, tensor=1)),
-     r"model.moe.token_chunk=384 does not divide train.stages\[0\]'s tokens per row shard, 2048"),
+     r"model.moe.token_chunk=384 does not divide train.stages\[0\]'s tokens per row shard of a pass, 2048"),
+    (dict(train__microbatch_tokens=-1), r"train.microbatch_tokens must be an integer >= 0"),
+    (dict(train__microbatch_tokens=512, train__stages=((128, 3, 1280),)),
+     r"train.stages\[0\]: train.microbatch_tokens=512 takes 4 rows of 128 a pass, which does not divide "
+     r"the 10 rows"),
+    (dict(train__microbatch_tokens=128, train__mesh=dict(data=2, fsdp=1, expert=1, tensor=1)),
+     r"train.stages\[0\] has 1 rows per pass, not divisible by the 2 row shards"),
 ])
 def test_bad_configs_fail_clearly(overrides, message):
   with pytest.raises(ConfigError, match=message):
     validate(_with(**overrides))
+
+
+@pytest.mark.parametrize("seq_len, tokens, microbatch_tokens, passes", [
+    (8192, 131072, 32768, 4),  # experiments/h200.py
+    (8192, 131072, 40000, 4),  # the most whole rows that fit: 4
+    (8192, 131072, 0, 1),      # 0: one pass
+    (8192, 32768, 65536, 1),   # more than the batch: one pass
+    (1048576, 1048576, 32768, 1),  # rows longer than a pass: one row a pass
+    (65536, 524288, 32768, 8),
+])
+def test_passes_per_step(seq_len, tokens, microbatch_tokens, passes):
+  assert passes_per_step(seq_len, tokens, microbatch_tokens) == passes
 
 
 def test_model_vocabulary_follows_the_tokenizer_unless_set_apart():

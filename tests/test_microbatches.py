@@ -1,0 +1,161 @@
+"""Gradient accumulation (train.microbatch_tokens): a step in several passes against the same step in
+one, and the routing balance chained from pass to pass.
+
+The steps here apply the plain negative gradient (an optax schedule of -1 with a step count), so the
+new parameters are params - grads and compare gradients directly, QK-clip included.
+"""
+
+from collections.abc import Mapping
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from moejax.config import base_config, validate
+from moejax.model import build_model, init_variables
+from moejax.train_step import TrainState, make_train_step
+
+ROWS, SEQ = 4, 32
+
+
+def small_config(balance: str, microbatch_tokens: int, qk_clip_tau: float = 0.0, rows: int = ROWS,
+                 mesh: dict | None = None):
+  c = base_config()
+  c.data.vocab_size = 300
+  m = c.model
+  m.d_model = 32
+  m.layer_pattern, m.num_layers, m.num_dense_layers = "KM", 2, 0
+  m.kda.num_heads, m.kda.head_k_dim, m.kda.head_v_dim, m.kda.gate_rank = 2, 16, 16, 8
+  m.mla.num_heads, m.mla.q_lora_rank, m.mla.kv_lora_rank = 2, 16, 16
+  m.mla.qk_nope_head_dim, m.mla.v_head_dim = 8, 8
+  m.attnres.block_size = 2
+  m.moe.num_experts, m.moe.top_k, m.moe.shared_hidden_dim = 4, 2, 32
+  m.moe.latent_dim, m.moe.expert_hidden_dim = 16, 16
+  m.moe.balance = balance
+  m.moe.aux_loss_weight = 0.1  # large enough to matter under "aux"
+  c.optim.qk_clip_tau = qk_clip_tau
+  c.train.stages = ((SEQ, 10, rows * SEQ),)
+  c.train.mesh.update(mesh or {})
+  c.train.microbatch_tokens = microbatch_tokens
+  return validate(c)
+
+
+def batch_of(seed: int = 0, rows: int = ROWS) -> dict:
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(3, 300, (rows, SEQ)).astype(np.int32)
+  # Documents of several lengths, and loss masks with different weight per row, so that the passes
+  # hold different shares of the batch's loss.
+  seg = np.repeat(np.array([[1] * 20 + [2] * 12]), rows, axis=0).astype(np.int32)
+  seg[1, :] = seg[2, :] = 1  # three documents in each pass of two rows (0 and 2; 1 and 3)
+  density = np.resize([0.9, 0.3, 0.6, 1.0, 0.5, 0.8, 0.2, 0.7], rows)[:, None]
+  mask = (rng.random((rows, SEQ)) < density).astype(np.float32)
+  return {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1), "segment_ids": seg,
+          "positions": np.zeros_like(tokens), "loss_mask": mask}
+
+
+def gradient_step(config):
+  """(jitted step, state) with the update params - grads."""
+  model = build_model(config)
+  variables = init_variables(model, jax.random.key(0))
+  params = nn.unbox(variables["params"])
+  optimizer = optax.scale_by_schedule(lambda count: -1.0)
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+                     balance=variables["balance"], rng=jax.random.key_data(jax.random.key(1)),
+                     bad_steps=jnp.zeros((), jnp.int32))
+  return jax.jit(make_train_step(model, optimizer, config, 10)), state, model
+
+
+@pytest.mark.parametrize("balance", ["none", "aux"])
+def test_passes_give_the_one_pass_step(balance):
+  """Without a bias that moves between passes, two passes of two rows give the one-pass step's
+  gradients, loss, token counts and loads; QK-clip (on for every head) takes the max logit over both."""
+  ref_step, state, _ = gradient_step(small_config(balance, 0, qk_clip_tau=0.01))
+  acc_step, _, _ = gradient_step(small_config(balance, 2 * SEQ, qk_clip_tau=0.01))
+  batch = batch_of()
+  want, want_m = ref_step(state, batch)
+  got, got_m = acc_step(state, batch)
+  # The sequence-wise aux loss is a mean over a pass's documents, and each pass weighs 1/2: that is the
+  # batch's mean because both passes hold three documents.
+  chex.assert_trees_all_close(got.params, want.params, rtol=2e-5, atol=2e-6)
+  for name in ("loss", "nll", "z_loss", "tokens", "aux_loss", "grad_norm"):
+    np.testing.assert_allclose(got_m[name], want_m[name], rtol=1e-5, err_msg=name)
+  if balance == "aux":
+    assert float(got_m["aux_loss"]) > 0
+  chex.assert_trees_all_close(got.balance, want.balance, rtol=1e-6)
+  loads = {k: v for k, v in want_m.items() if k.endswith("/load")}
+  assert loads
+  chex.assert_trees_all_close({k: got_m[k] for k in loads}, loads, rtol=1e-6)
+
+
+def _is_layer(tree) -> bool:
+  return isinstance(tree, Mapping) and "load" in tree
+
+
+def test_each_pass_routes_with_the_bias_of_the_pass_before():
+  """Under quantile balancing pass p routes with the bias that pass p - 1 computed (pass 0 with the
+  state's); the step keeps the last pass's bias and adds every pass's load to load_total."""
+  config = small_config("quantile", SEQ)  # four passes of one row
+  step, state, model = gradient_step(config)
+  state = state.replace(balance=jax.tree.map(lambda b: b + jnp.linspace(-0.2, 0.2, b.shape[0]),
+                                             state.balance))
+  batch = batch_of(1)
+  new, metrics = step(state, batch)
+
+  balance, loads = state.balance, []
+  for p in range(ROWS):
+    _, stats = model.apply({"params": state.params, "balance": balance}, batch["tokens"][p:p + 1],
+                           batch["segment_ids"][p:p + 1], mutable=["router"])
+    router = stats["router"]
+    loads.append(jax.tree.map(lambda s: s["load"], router, is_leaf=_is_layer))
+    balance = jax.tree.map(lambda s, b: {"bias": s["bias_next"], "load_total": b["load_total"] + s["load"]},
+                           router, balance, is_leaf=_is_layer)
+  chex.assert_trees_all_close(new.balance, balance, rtol=1e-6, atol=1e-7)
+  total_load = jax.tree.map(lambda *x: sum(x), *loads)
+  for layer, load in total_load.items():
+    got = metrics[f"moe/{layer}/moe/load"]
+    np.testing.assert_allclose(got, load["moe"] / np.mean(load["moe"]), rtol=1e-6)
+  # The bias the passes handed on moved: each pass balanced its own row.
+  assert not np.allclose(new.balance["layer_1"]["moe"]["bias"], state.balance["layer_1"]["moe"]["bias"])
+
+
+def test_passes_trace_the_model_once():
+  """The passes run in a scan: one pass's forward and backward is traced once, not once per pass."""
+  config = small_config("none", SEQ)
+  step, state, model = gradient_step(config)
+  calls = []
+  apply = model.apply
+
+  def counting_apply(*args, **kwargs):
+    calls.append(1)
+    return apply(*args, **kwargs)
+
+  object.__setattr__(model, "apply", counting_apply)
+  step(state, batch_of())
+  assert len(calls) == 1
+
+
+def test_passes_on_a_data_x_expert_mesh_match_one_device():
+  """Two passes of four rows on a 2 x 2 data x expert mesh (each pass split over the row shards, the
+  experts exchanged by all-to-all) give the one-pass step on one device."""
+  from moejax.parallel import mesh as meshlib
+  from moejax.train_step import jit_train_step
+
+  rows = 8
+  ref_step, state, _ = gradient_step(small_config("none", 0, rows=rows))
+  config = small_config("none", 4 * SEQ, rows=rows, mesh={"data": 2, "expert": 2})
+  mesh_step, _, _ = gradient_step(config)
+  batch = batch_of(2, rows)
+  want, want_m = ref_step(state, batch)
+  mesh = meshlib.make_mesh(**config.train.mesh, axis_types=(jax.sharding.AxisType.Auto,) * 4)
+  model = build_model(config)
+  optimizer = optax.scale_by_schedule(lambda count: -1.0)
+  with jax.set_mesh(mesh):
+    step = jit_train_step(model, optimizer, config, 10)
+    got, got_m = step(state, jax.device_put(batch, meshlib.batch_sharding(mesh)))
+  chex.assert_trees_all_close(jax.device_get(got.params), want.params, rtol=2e-5, atol=2e-6)
+  for name in ("loss", "nll", "tokens", "grad_norm", "moe/dropped"):
+    np.testing.assert_allclose(got_m[name], want_m[name], rtol=1e-5, err_msg=name)
