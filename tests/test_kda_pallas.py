@@ -344,38 +344,3 @@ def test_merged_chunk_pairs_need_a_state_pass_at_twice_the_chunk():
     run("kernel", qkvgb, S0, None, C=128, config=Config(merge_chunks=True))
   with pytest.raises(ValueError, match="merge_chunks must be True or False"):
     Config(merge_chunks=1)
-
-
-def test_bf16_products_for_w_and_u_stay_within_the_bf16_target():
-  """Config.rhs_precision='bf16' (W and U's products with bf16 operands) on the hard case for the solve:
-  correlated keys (a shared direction plus 10% noise) and mild gates, so that (I + A)^-1 is far from
-  the identity. Output, final state and every gradient near the float32 recurrence: within a quarter
-  more error than tf32 products give."""
-  B, T, H, K, V = 1, 100, 2, 32, 32
-  rng = np.random.default_rng(7)
-  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-  k = unit(rng.normal(size=(1, 1, H, K)) + 0.1 * rng.normal(size=(B, T, H, K)))
-  q = unit(rng.normal(size=(B, T, H, K)))
-  v = rng.normal(size=(B, T, H, V))
-  g = rng.uniform(-0.05, 0.0, size=(B, T, H, K))
-  beta = rng.uniform(0.5, 1.0, size=(B, T, H))
-  qkvgb = tuple(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, g, beta))
-  S0 = jnp.asarray(rng.normal(size=(B, H, K, V)), jnp.float32)
-  cot = (jnp.asarray(rng.normal(size=(B, T, H, V)), jnp.bfloat16), jnp.asarray(rng.normal(size=(B, H, K, V)),
-                                                                                jnp.float32))
-  f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
-  want = value_and_vjp(f32(qkvgb), S0, None, f32(cot), impl="recurrent", C=32)
-  errs = {}
-  for rhs in ("tf32", "bf16"):
-    got = value_and_vjp(qkvgb, S0, None, cot, impl="kernel", C=32,
-                        config=Config(block=16, block_fwd=16, rhs_precision=rhs))
-    errs[rhs] = [rel_err(a, e) for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)]
-  # On this case the tf32 products themselves are at up to 1.2e-2 (dbeta); bf16 adds 0-18% to each
-  # leaf's error, most to dk (4.3e-3 -> 5.1e-3 when written).
-  names = ("o", "S_T", "dq", "dk", "dv", "dg", "dbeta", "dS0")
-  for name, tf32, bf16 in zip(names, errs["tf32"], errs["bf16"], strict=True):
-    assert bf16 <= 1.25 * tf32 and bf16 <= 1.5e-2, (name, tf32, bf16)
-  assert errs["bf16"][:2] < [1e-2, 1e-2]
-  assert errs["bf16"] != errs["tf32"]  # the setting reached the kernel
-  with pytest.raises(ValueError, match="rhs_precision must be None, 'tf32' or 'bf16'"):
-    Config(rhs_precision="fp8")

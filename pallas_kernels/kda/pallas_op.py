@@ -53,9 +53,6 @@ class Config:
   # against 7.761; session 23). A forward kept for the backward pass never merges: the backward reads
   # the state at every chunk.
   merge_chunks: bool = False
-  # With bf16 data, the forward prep's W and U products (the solve's inverse times k e^G and v, scaled
-  # by beta): "tf32" or "bf16" operands. None: tf32.
-  rhs_precision: str | None = None
 
   def __post_init__(self):
     for name in ("block", "block_fwd", "block_grads", "block_v_fwd", "block_v_bwd"):
@@ -66,8 +63,6 @@ class Config:
       raise ValueError(f"Config.merge_chunks must be True or False, got {self.merge_chunks!r}")
     if not isinstance(self.mosaic_slots, int) or self.mosaic_slots < 1:
       raise ValueError(f"Config.mosaic_slots must be a positive int, got {self.mosaic_slots!r}")
-    if self.rhs_precision not in (None, "tf32", "bf16"):
-      raise ValueError(f"Config.rhs_precision must be None, 'tf32' or 'bf16', got {self.rhs_precision!r}")
     for name in ("scan_fwd_lowering", "scan_bwd_lowering"):
       if getattr(self, name) not in (None, "triton", "mosaic"):
         raise ValueError(f"Config.{name} must be None, 'triton' or 'mosaic', got {getattr(self, name)!r}")
@@ -242,8 +237,7 @@ def chunk_kda_pallas(q, k, v, g, beta, scale, initial_state, reset_BT, *, chunk_
   s = _static_scale(scale)
   if s is None:
     q, s = q * scale, 1.0
-  prec = tiles.precision_for(store_dtype, config.rhs_precision)
-  st = _Static(chunk=C, scale=s, prec=prec, store_dtype=store_dtype,
+  st = _Static(chunk=C, scale=s, prec=tiles.precision_for(store_dtype), store_dtype=store_dtype,
                out_dtype=jnp.dtype(v.dtype), interpret=bool(interpret), cfg=cfg, scan_cfg=scan_cfg)
 
   N = -(-T // C)

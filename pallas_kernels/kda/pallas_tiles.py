@@ -37,15 +37,12 @@ class Precision(NamedTuple):
   big: str     # scores, state products, state gradients: the bulk of the FLOPs
   solve: str   # the triangular solve
   dscore: str  # score cotangents to q, k and g: dg sums them over the chunk, where they nearly cancel
-  rhs: str     # the forward's W and U: the solve's inverse times its right-hand sides
 
 
-def precision_for(dtype, rhs: str | None = None) -> Precision:
-  """bf16 data: bf16 operands, tf32 for the solve, the score cotangents and (unless `rhs` says
-  otherwise) W and U's products. float32: exact float32."""
-  if jnp.dtype(dtype) != jnp.bfloat16:
-    return Precision("f32", "f32", "f32", "f32")
-  return Precision("bf16", "tf32", "tf32", rhs or "tf32")
+def precision_for(dtype) -> Precision:
+  """bf16 data: bf16 operands, tf32 for the solve and the score cotangents. float32: exact float32."""
+  return (Precision("bf16", "tf32", "tf32") if jnp.dtype(dtype) == jnp.bfloat16
+          else Precision("f32", "f32", "f32"))
 
 
 class Chunk(NamedTuple):

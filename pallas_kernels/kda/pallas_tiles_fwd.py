@@ -116,11 +116,11 @@ def prep(q: Chunk, k: Chunk, v: Chunk, g: Gates, b: Rows, code: Rows, scale: flo
     kf, eG = f32(k.full(i)), jnp.exp(G)
     put.qg(i, jnp.where(dm.carried, scale * f32(q.full(i)) * eG, 0.0))
     put.kd(i, jnp.where(dm.in_last, kf * jnp.exp(GC[None, :] - G), 0.0))
-    put.W(i, jnp.where(dm.carried, dot(Linv, b_C1 * kf * eG, prec.rhs), 0.0))
+    put.W(i, jnp.where(dm.carried, dot(Linv, b_C1 * kf * eG, prec.solve), 0.0))
     return carry
 
   def u_block(i, carry):
-    put.U(i, dot(Linv, b_C1 * f32(v.full(i)), prec.rhs))
+    put.U(i, dot(Linv, b_C1 * f32(v.full(i)), prec.solve))
     return carry
 
   loop(k.n, w_block, 0)
