@@ -76,8 +76,10 @@ def smoke_config(config):
   m.ffn.hidden_dim = 128
   m.moe.update(num_experts=8, top_k=2, shared_hidden_dim=64, latent_dim=32, expert_hidden_dim=32)
   config.train.stages = ((256, 10, 512),)
-  if config.train.microbatch_tokens:  # a config that accumulates keeps doing so: two passes of a row
-    config.train.microbatch_tokens = 256
+  if config.train.microbatch_tokens:
+    # A config that accumulates keeps doing so: two passes of two rows, which split over a data=2 mesh.
+    config.train.stages = ((256, 10, 1024),)
+    config.train.microbatch_tokens = 512
   return config
 
 

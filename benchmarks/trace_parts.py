@@ -34,7 +34,8 @@ _MODULES = {"kda": "KDA", "mla": "MLA", "moe": "MoE", "ffn": "dense FFN", "mixer
 _SCOPES = ("qkv_conv", "gates", "chunk_kda", "output", "router", "latent_down", "sort_gather",
            "grouped_glu", "combine", "latent_up", "quantile_balance", "shared_0")
 _CLASSES = {"KDA": "KDA", "GatedMLA": "MLA", "MoE": "MoE", "SiTUGLU": "dense FFN"}
-_TOP_SCOPES = {"optimizer": "optimizer update", "lm_head_loss": "LM head + loss"}
+_TOP_SCOPES = {"optimizer": "optimizer update", "lm_head_loss": "LM head + loss",
+               "accumulate": "gradient accumulation"}
 
 
 def op_names(hlo_text: str) -> dict[str, str]:

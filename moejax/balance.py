@@ -8,8 +8,9 @@ The state of every MoE layer lives in the Flax collection "balance", next to the
 
 Each call of the layer sows per-batch statistics into the collection "router" (`moejax.layers.moe`):
 `load` [n], `dropped` (expert-parallel capacity overflow), `bias_next` [n] for "quantile" and the
-weighted `aux_loss` for "aux". Once per train step, `next_balance_state` folds them into the state.
-The bias computed from batch t is only used from batch t+1 on, so routing stays causal.
+weighted `aux_loss` for "aux". After each forward pass of a train step (one, or one per pass of
+train.microbatch_tokens), `next_balance_state` folds them into the state. The bias computed from
+batch t is only used from batch t+1 on, so routing stays causal.
 
 Quantile balancing, with target load q = m*k/n per expert:
   c_ij = s_ij - t_ij, where t_ij is the k-th largest biased score among the *other* experts of token i,

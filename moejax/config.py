@@ -111,7 +111,7 @@ def base_config() -> ml_collections.ConfigDict:
   # "interpret" (the kernels in Pallas interpret mode, slow; for tests). All give the same bias.
   e.balance_implementation = "auto"
   e.histogram_bins = 2048
-  e.sign_rate = 1e-3
+  e.sign_rate = 1e-3  # one sign step per forward pass: per pass of train.microbatch_tokens
   e.aux_loss_weight = 1e-4
   # Expert parallelism only: per-rank exchange buffers hold capacity_factor x the mean load (both the
   # padded CPU path and the ragged GPU path). Pairs past it are dropped and counted in router/dropped;

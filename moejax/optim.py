@@ -25,10 +25,21 @@ _INPUT_AXES = {"embed", "mlp", "latent", "q_lora", "kv_lora", "rank"}
 
 
 def learning_rate_schedule(cfg_opt, total_steps: int):
-  warmup = min(cfg_opt.warmup_steps, max(total_steps - 1, 0))
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg_opt.lr, warmup_steps=warmup,
-      decay_steps=max(total_steps, warmup + 1), end_value=cfg_opt.lr * cfg_opt.final_lr_fraction)
+  """The rate of update `count` (0-based): linear warmup to cfg_opt.lr at update warmup_steps - 1,
+  starting from lr / warmup_steps (not 0, which would make the first update none), then cosine decay
+  to lr * final_lr_fraction at the last update, total_steps - 1."""
+  warmup = min(cfg_opt.warmup_steps, total_steps)
+  peak, end = cfg_opt.lr, cfg_opt.lr * cfg_opt.final_lr_fraction
+  top = max(warmup - 1, 0)  # the first update at the peak
+  span = max(total_steps - 1 - top, 1)
+
+  def schedule(count):
+    count = jnp.asarray(count, jnp.float32)
+    rising = peak * (count + 1) / max(warmup, 1)
+    decayed = end + (peak - end) * 0.5 * (1 + jnp.cos(jnp.pi * jnp.clip((count - top) / span, 0.0, 1.0)))
+    return jnp.where(count < warmup, rising, decayed)
+
+  return schedule
 
 
 def matrix_axes(names: tuple) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

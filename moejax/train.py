@@ -20,7 +20,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from moejax import checkpoint as ckpt_lib
-from moejax.config import ConfigError, validate
+from moejax.config import ConfigError, passes_per_step, validate
 from moejax.data import load_manifest, make_iterator
 from moejax.data.prepare import prepare
 from moejax.model import build_model
@@ -67,9 +67,14 @@ def _pin_data(workdir: str, manifest_path: str, manifest: dict, resuming: bool) 
 
 
 def evaluate(eval_step, state, config, stage, to_device=lambda batch: batch, manifest_path=None) -> dict:
-  it = iter(_batch_iterator(config, stage, "validation", config.data.seed, manifest_path))
+  """Validation loss over config.train.eval_batches batches of the stage's size, each taken in the
+  train step's passes (train.microbatch_tokens): the forward never holds more than a pass."""
+  seq_len, steps, tokens = stage
+  passes = passes_per_step(seq_len, tokens, config.train.microbatch_tokens)
+  it = iter(_batch_iterator(config, (seq_len, steps, tokens // passes), "validation", config.data.seed,
+                            manifest_path))
   total, count = 0.0, 0.0
-  for _ in range(config.train.eval_batches):
+  for _ in range(config.train.eval_batches * passes):
     m = eval_step(state, to_device(next(it)))
     total += float(m["nll"]) * float(m["tokens"])
     count += float(m["tokens"])

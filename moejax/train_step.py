@@ -20,6 +20,7 @@ from moejax.loss import cross_entropy
 from moejax.model import Transformer, init_variables, per_layer
 from moejax.optim import dict_to_cfg, learning_rate_schedule, make_optimizer, qk_clip
 from moejax.parallel import mesh as meshlib
+from pallas_kernels.segments import document_ids
 
 
 @flax.struct.dataclass
@@ -116,21 +117,22 @@ def _mla_max_logits(attn_stats):
   return {prefix: jnp.max(jnp.stack(vs), axis=0) for prefix, vs in sown.items()}
 
 
-# How each sown statistic of a pass combines over a step's passes (train_step's `accumulated`).
-_PASS_COMBINE = {"load": lambda x: jnp.sum(x, 0), "dropped": lambda x: jnp.sum(x, 0),
-                 "aux_loss": lambda x: jnp.mean(x, 0), "bias_next": lambda x: x[-1],
-                 "max_logit": lambda x: jnp.max(x, 0)}
+# How each sown statistic of a pass combines over a step's passes (train_step's `accumulated`), given
+# the passes' shares of the batch's documents: the aux loss is a mean over documents.
+_PASS_COMBINE = {"load": lambda x, _: jnp.sum(x, 0), "dropped": lambda x, _: jnp.sum(x, 0),
+                 "aux_loss": lambda x, docs_P: jnp.tensordot(docs_P, x, 1), "bias_next": lambda x, _: x[-1],
+                 "max_logit": lambda x, _: jnp.max(x, 0)}
 
 
-def _combine_passes(stats_P):
+def _combine_passes(stats_P, documents_P):
   """The sown collections of a step's passes (each leaf stacked over passes, axis 0) as one step's:
-  `_PASS_COMBINE` by the statistic's name."""
+  `_PASS_COMBINE` by the statistic's name; documents_P [passes]: each pass's share of the documents."""
   def combine(path, x):
     names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and k.key in _PASS_COMBINE]
     if not names:
       raise ValueError(f"no rule combines the sown statistic {jax.tree_util.keystr(path)} over a step's "
                        f"passes (train.microbatch_tokens): add one to _PASS_COMBINE")
-    return _PASS_COMBINE[names[-1]](x)
+    return _PASS_COMBINE[names[-1]](x, documents_P)
 
   return jax.tree_util.tree_map_with_path(combine, stats_P)
 
@@ -167,38 +169,44 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
 
   def accumulated(params, balance_vars, batch, passes: int):
     """(loss, (metrics, stats), grads, balance after the last pass) of the batch in `passes` passes
-    (train.microbatch_tokens), as `grad_fn` and `next_balance_state` give them for the batch at once.
+    (train.microbatch_tokens); the loss and gradients are those of the batch in one pass.
 
     Pass p takes rows p, p + passes, ...: a row shard, a contiguous block of rows, holds its share of
-    every pass. The cross-entropy is weighted by each pass's share of the batch's loss-mask weight, so
-    the summed loss and gradients are the whole batch's; each pass's aux loss weighs 1/passes. Each
-    pass routes with the balance state the pass before it left (causal, as between steps), so a step
-    of n passes makes n balance updates: n sign steps under "sign", the last pass's bias under
-    "quantile". The router loads, drops and max attention logits are combined over the passes.
+    every pass. The cross-entropy is weighted by each pass's share of the batch's loss-mask weight and
+    the sequence-wise aux loss (a mean over documents) by its share of the batch's documents, so the
+    summed loss and gradients are the whole batch's. Each pass routes with the balance state the pass
+    before it left (causal, as between steps), so a step of n passes makes n balance updates: n sign
+    steps under "sign", the last pass's bias under "quantile". The router loads, drops, aux losses and
+    max attention logits are combined over the passes (`_PASS_COMBINE`).
     """
     rows_PB = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // passes, passes, *x.shape[1:]),
                                                   0, 1), batch)
     total = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+    # Documents never cross rows: a row holds its last document index + 1 of them.
+    documents = lambda seg_BT: jnp.sum(document_ids(seg_BT)[:, -1] + 1).astype(jnp.float32)
+    total_documents = documents(batch["segment_ids"])
 
     def one_pass(carry, rows):
       acc, balance = carry
       ce_weight = jnp.sum(rows["loss_mask"].astype(jnp.float32)) / total
-      (loss, (metrics, stats)), grads = grad_fn(params, balance, rows, ce_weight, 1.0 / passes)
+      aux_weight = documents(rows["segment_ids"]) / total_documents
+      (loss, (metrics, stats)), grads = grad_fn(params, balance, rows, ce_weight, aux_weight)
       with jax.named_scope("accumulate"):
         acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
       balance = balance_lib.next_balance_state(cfg.moe.balance, balance, stats.get("router", {}), cfg.moe)
-      return (acc, balance), (loss, ce_weight, metrics, stats)
+      return (acc, balance), (loss, (ce_weight, aux_weight), metrics, stats)
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
-    (acc, balance), (loss_P, weight_P, metrics_P, stats_P) = jax.lax.scan(one_pass, (zeros, balance_vars),
-                                                                           rows_PB)
+    (acc, balance), (loss_P, (ce_P, aux_P), metrics_P, stats_P) = jax.lax.scan(
+        one_pass, (zeros, balance_vars), rows_PB)
     grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
-    by_weight = lambda x: jnp.sum(weight_P * x)  # per-token means, as the whole batch's
-    combine = {"nll": by_weight, "z_loss": by_weight, "tokens": jnp.sum, "aux_loss": jnp.mean}
+    # Per-token means weighted by tokens, the aux loss's per-document mean by documents.
+    per_token, per_document = (lambda x: jnp.sum(ce_P * x)), (lambda x: jnp.sum(aux_P * x))
+    combine = {"nll": per_token, "z_loss": per_token, "tokens": jnp.sum, "aux_loss": per_document}
     if unknown := set(metrics_P) - set(combine):
       raise ValueError(f"no rule combines the metrics {sorted(unknown)} over a step's passes")
     metrics = {name: combine[name](x) for name, x in metrics_P.items()}
-    return jnp.sum(loss_P), (metrics, _combine_passes(stats_P)), grads, balance
+    return jnp.sum(loss_P), (metrics, _combine_passes(stats_P, aux_P)), grads, balance
 
   def train_step(state: TrainState, batch):
     B, T = batch["tokens"].shape

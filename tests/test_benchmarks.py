@@ -165,15 +165,14 @@ def test_kda_stress_run_end_to_end():
 
 
 def test_step_benchmark_on_a_mesh_times_components_on_one_devices_rows():
-  """`step.py --smoke --mesh data=2` on 2 of 8 CPU devices, 4 rows in 2 passes (gradient
-  accumulation): the step runs on the mesh, and the components, timed alone on one device, get that
-  device's share of one pass's rows (1 of 4), counted once a pass (the optimizer once a step), so that
-  their times compare with the step's."""
+  """`step.py --smoke --mesh data=2` on 2 of 8 CPU devices, 4 rows in 2 passes (h200.py accumulates,
+  and so does its smoke config): the step runs on the mesh, and the components, timed alone on one
+  device, get that device's share of one pass's rows (1 of 4), counted once a pass (the optimizer once
+  a step), so that their times compare with the step's."""
   root = pathlib.Path(__file__).resolve().parent.parent
   env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu"}
   out = subprocess.run([sys.executable, str(root / "benchmarks" / "step.py"), "--smoke", "--only", "step",
-                        "--mesh", "data=2", "--mean-doc", "30", "--set", "train.stages=((256, 10, 1024),)",
-                        "--set", "train.microbatch_tokens=512"], capture_output=True, text=True, timeout=600,
+                        "--mesh", "data=2", "--mean-doc", "30"], capture_output=True, text=True, timeout=600,
                        cwd=root, env=env)
   assert out.returncode == 0, out.stderr[-2000:]
   assert "mesh data=2: step" in out.stderr + out.stdout

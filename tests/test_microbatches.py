@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 
+from moejax.balance import next_balance_state
 from moejax.config import base_config, validate
 from moejax.model import build_model, init_variables
 from moejax.train_step import TrainState, make_train_step
@@ -50,7 +51,8 @@ def batch_of(seed: int = 0, rows: int = ROWS) -> dict:
   # Documents of several lengths, and loss masks with different weight per row, so that the passes
   # hold different shares of the batch's loss.
   seg = np.repeat(np.array([[1] * 20 + [2] * 12]), rows, axis=0).astype(np.int32)
-  seg[1, :] = seg[2, :] = 1  # three documents in each pass of two rows (0 and 2; 1 and 3)
+  seg[0] = np.repeat([1, 2, 3, 4], SEQ // 4)  # two passes of two rows hold 6 and 4 documents
+  seg[1] = 1
   density = np.resize([0.9, 0.3, 0.6, 1.0, 0.5, 0.8, 0.2, 0.7], rows)[:, None]
   mask = (rng.random((rows, SEQ)) < density).astype(np.float32)
   return {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1), "segment_ids": seg,
@@ -78,8 +80,7 @@ def test_passes_give_the_one_pass_step(balance):
   batch = batch_of()
   want, want_m = ref_step(state, batch)
   got, got_m = acc_step(state, batch)
-  # The sequence-wise aux loss is a mean over a pass's documents, and each pass weighs 1/2: that is the
-  # batch's mean because both passes hold three documents.
+  # The sequence-wise aux loss is a mean over a pass's documents, weighted by the pass's share of them.
   chex.assert_trees_all_close(got.params, want.params, rtol=2e-5, atol=2e-6)
   for name in ("loss", "nll", "z_loss", "tokens", "aux_loss", "grad_norm"):
     np.testing.assert_allclose(got_m[name], want_m[name], rtol=1e-5, err_msg=name)
@@ -95,25 +96,25 @@ def _is_layer(tree) -> bool:
   return isinstance(tree, Mapping) and "load" in tree
 
 
-def test_each_pass_routes_with_the_bias_of_the_pass_before():
-  """Under quantile balancing pass p routes with the bias that pass p - 1 computed (pass 0 with the
-  state's); the step keeps the last pass's bias and adds every pass's load to load_total."""
-  config = small_config("quantile", SEQ)  # four passes of one row
+@pytest.mark.parametrize("balance", ["quantile", "sign"])
+def test_each_pass_routes_with_the_balance_of_the_pass_before(balance):
+  """Pass p (rows p and p + 2 of four) routes with the balance state that pass p - 1 left (pass 0 with
+  the step's), and the step keeps the last pass's: under "quantile" the bias pass 1 computed, under
+  "sign" two sign steps; every pass's load is added to load_total and to the step's load metric."""
+  config = small_config(balance, 2 * SEQ)
   step, state, model = gradient_step(config)
   state = state.replace(balance=jax.tree.map(lambda b: b + jnp.linspace(-0.2, 0.2, b.shape[0]),
                                              state.balance))
   batch = batch_of(1)
   new, metrics = step(state, batch)
 
-  balance, loads = state.balance, []
-  for p in range(ROWS):
-    _, stats = model.apply({"params": state.params, "balance": balance}, batch["tokens"][p:p + 1],
-                           batch["segment_ids"][p:p + 1], mutable=["router"])
-    router = stats["router"]
-    loads.append(jax.tree.map(lambda s: s["load"], router, is_leaf=_is_layer))
-    balance = jax.tree.map(lambda s, b: {"bias": s["bias_next"], "load_total": b["load_total"] + s["load"]},
-                           router, balance, is_leaf=_is_layer)
-  chex.assert_trees_all_close(new.balance, balance, rtol=1e-6, atol=1e-7)
+  balance_state, loads = state.balance, []
+  for p in range(2):
+    _, stats = model.apply({"params": state.params, "balance": balance_state}, batch["tokens"][p::2],
+                           batch["segment_ids"][p::2], mutable=["router"])
+    loads.append(jax.tree.map(lambda s: s["load"], stats["router"], is_leaf=_is_layer))
+    balance_state = next_balance_state(balance, balance_state, stats["router"], config.model.moe)
+  chex.assert_trees_all_close(new.balance, balance_state, rtol=1e-5, atol=1e-6)
   total_load = jax.tree.map(lambda *x: sum(x), *loads)
   for layer, load in total_load.items():
     got = metrics[f"moe/{layer}/moe/load"]

@@ -267,14 +267,18 @@ def test_decoupled_decay_follows_the_mask_on_both_sides(name):
 def test_warmup_cosine_schedule_values():
   cfg = small_config(lr=1e-3, warmup_steps=10, final_lr_fraction=0.1).optim
   f = learning_rate_schedule(cfg, 110)
-  np.testing.assert_allclose([f(0), f(5), f(10)], [0.0, 5e-4, 1e-3], rtol=1e-6)
-  # Cosine from the peak at step 10 to 10% of it at step 110: halfway at step 60.
-  np.testing.assert_allclose(f(60), 0.5 * (1e-3 + 1e-4), rtol=1e-6)
-  np.testing.assert_allclose(f(35), 1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * 0.25)), rtol=1e-6)
-  np.testing.assert_allclose([f(110), f(200)], [1e-4, 1e-4], rtol=1e-6)
-  # A warmup as long as the run is cut so the peak is still reached.
+  # The first update already moves (lr / warmup); the tenth is at the peak.
+  np.testing.assert_allclose([f(0), f(4), f(9)], [1e-4, 5e-4, 1e-3], rtol=1e-6)
+  # Cosine from the peak at update 9 to 10% of it at the last, update 109: halfway at update 59.
+  np.testing.assert_allclose(f(59), 0.5 * (1e-3 + 1e-4), rtol=1e-6)
+  np.testing.assert_allclose(f(34), 1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * 0.25)), rtol=1e-6)
+  np.testing.assert_allclose([f(109), f(200)], [1e-4, 1e-4], rtol=1e-6)
+  # A warmup as long as the run or longer is cut so the peak is still reached, at the last update.
   g = learning_rate_schedule(small_config(lr=1e-3, warmup_steps=50).optim, 20)
-  np.testing.assert_allclose(g(19), 1e-3, rtol=1e-6)
+  np.testing.assert_allclose([g(0), g(19)], [5e-5, 1e-3], rtol=1e-6)
+  # No warmup: the peak from the first update.
+  h = learning_rate_schedule(small_config(lr=1e-3, warmup_steps=0, final_lr_fraction=0.1).optim, 11)
+  np.testing.assert_allclose([h(0), h(10)], [1e-3, 1e-4], rtol=1e-6)
 
 
 def _mla_case():

@@ -559,6 +559,33 @@ def test_run_on_a_data_x_expert_mesh(reference, tmp_path):
   assert_same_params(jax.device_get(state.params), final)
 
 
+def test_run_in_passes_follows_the_one_pass_run(reference, tmp_path, monkeypatch):
+  """`run` with train.microbatch_tokens: 8 rows a step in 2 passes of 4. Without a bias moving between
+  passes (balance "none") the losses follow the one-pass run, and evaluation, which reads the
+  validation split a pass at a time (twice as many batches of half the rows), gives its val_loss."""
+  overrides = {"train.stages": ((64, 4, 512),), "train.checkpoint_every": 4, "train.eval_every": 2,
+               "model.moe.balance": "none"}
+  cache = reference["config"].data.cache_dir
+  eval_rows = []
+  make_iterator = train.make_iterator
+
+  def recording(data_cfg, split, seq_len, rows, *args, **kwargs):
+    if split == "validation":
+      eval_rows.append(rows)
+    return make_iterator(data_cfg, split, seq_len, rows, *args, **kwargs)
+
+  monkeypatch.setattr(train, "make_iterator", recording)
+  train.run(make_config(cache, **overrides), str(tmp_path / "one"))
+  train.run(make_config(cache, **overrides, **{"train.microbatch_tokens": 256}), str(tmp_path / "passes"))
+  assert eval_rows == [8, 8, 4, 4]
+  one, passes = read_rows(tmp_path / "one"), read_rows(tmp_path / "passes")
+  assert [r["step"] for r in passes] == [1, 2, 3, 4]
+  for key in ("loss", "nll", "tokens", "grad_norm"):
+    np.testing.assert_allclose([r[key] for r in passes], [r[key] for r in one], rtol=1e-4, err_msg=key)
+  np.testing.assert_allclose([passes[i]["val_loss"] for i in (1, 3)], [one[i]["val_loss"] for i in (1, 3)],
+                             rtol=1e-5)
+
+
 def _mesh_template(config):
   from moejax.parallel.mesh import make_mesh
   from moejax.train_step import shard_state
