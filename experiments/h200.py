@@ -61,8 +61,8 @@ def get_config():
   t = c.train
   # 128K tokens per update, in passes of 32K (4 rows): a pass holds what fits the card, and the
   # optimizer's update, about a sixth of a one-pass step (52 of 320 ms on an H100), comes once per 128K
-  # tokens. On an H100 this step peaked at 72.5 GiB (one 32K pass: 70.8) and ran 113,026 tokens/s
-  # against one pass's 102,205 (2026-12-05, BENCHMARKS.md). A 32K batch is also small for this model.
+  # tokens. On an H200 this step peaked at 75.7 GiB (one 32K pass: 70.7) and ran 122,905 tokens/s
+  # against one pass's 109,333 (2026-12-05, BENCHMARKS.md). A 32K batch is also small for this model.
   t.stages = ((8_192, 1_250, 131_072),)
   t.microbatch_tokens = 32_768
   # cuBLAS for the dense matmuls, as every step benchmark of this config ran them: with XLA's own
