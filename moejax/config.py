@@ -113,9 +113,9 @@ def base_config() -> ml_collections.ConfigDict:
   e.histogram_bins = 2048
   e.sign_rate = 1e-3  # one sign step per forward pass: per pass of train.microbatch_tokens
   e.aux_loss_weight = 1e-4
-  # Expert parallelism only: per-rank exchange buffers hold capacity_factor x the mean load (both the
-  # padded CPU path and the ragged GPU path). Pairs past it are dropped and counted in router/dropped;
-  # a factor >= the expert-axis size can never drop.
+  # Expert parallelism only: each rank keeps at most capacity_factor x the mean load of the pairs sent
+  # to its experts; both the padded CPU path and the ragged GPU path keep the same ones. Pairs past it
+  # are dropped and counted in router/dropped; a factor >= the expert-axis size can never drop.
   e.capacity_factor = 2.0
   # Tokens per pass through the routed experts (0: all at once). Each pass is rematerialised, so only
   # one chunk's top_k routed rows are live: set it for long sequences (1m.py). Must divide the tokens

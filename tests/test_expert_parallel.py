@@ -50,28 +50,22 @@ def skewed_routing(rng, m, n, k):
   return np.stack([rng.choice(n, k, replace=False, p=probs) for _ in range(m)]).astype(np.int32)
 
 
-def expected_keep(idx, shards, parts, n, cf, exchange):
-  """Which (token, slot) pairs each exchange keeps, by direct counting in numpy."""
+def expected_keep(idx, shards, parts, n, cf):
+  """Which (token, slot) pairs both exchanges keep, by direct counting in numpy: each owner keeps the
+  first ceil(cf * rows) of its pairs in (expert, source, position) order."""
   m, k = idx.shape
   e_loc, rows = n // parts, (m // shards) * k
   pairs = idx.reshape(shards, rows)  # shard i = data group i // parts, expert rank i % parts
   keep = np.zeros((shards, rows), bool)
-  if exchange == "padded":
-    cap = math.ceil(cf * rows / parts)
-    for i in range(shards):
-      for owner in range(parts):
-        mine = [r for r in np.argsort(pairs[i], kind="stable") if pairs[i, r] // e_loc == owner]
-        keep[i, mine[:cap]] = True
-  else:
-    buffer_rows = min(parts * rows, math.ceil(cf * rows))
-    for group in range(shards // parts):
-      for owner in range(parts):
-        offset = 0
-        for e in range(owner * e_loc, (owner + 1) * e_loc):
-          for s in range(parts):
-            for r in np.flatnonzero(pairs[group * parts + s] == e):
-              keep[group * parts + s, r] = offset < buffer_rows
-              offset += 1
+  buffer_rows = min(parts * rows, math.ceil(cf * rows))
+  for group in range(shards // parts):
+    for owner in range(parts):
+      offset = 0
+      for e in range(owner * e_loc, (owner + 1) * e_loc):
+        for s in range(parts):
+          for r in np.flatnonzero(pairs[group * parts + s] == e):
+            keep[group * parts + s, r] = offset < buffer_rows
+            offset += 1
   return keep.reshape(m, k)
 
 
@@ -98,10 +92,12 @@ def run_exchange(exchange, x, idx, p, weights, n, cf):
     return run(x, p, weights, idx)
 
 
-@pytest.mark.parametrize("exchange,cf", [("padded", 0.75), ("ragged", 4.0), ("ragged", 0.75)])
+@pytest.mark.parametrize("exchange,cf", [("padded", 0.75), ("padded", 0.3), ("ragged", 4.0), ("ragged", 0.75),
+                                         ("ragged", 0.3)])
 def test_exchange_matches_dropless_reference(exchange, cf):
-  """cf = 4 = P is dropless; cf = 0.75 drops exactly the pairs that overflow, and counts them.
-  (The dropless padded exchange is checked through the layer below.)"""
+  """cf = 4 = P is dropless; cf = 0.75 and 0.3 drop exactly the pairs that overflow an owner, the same
+  pairs in both exchanges, and count them. (The dropless padded exchange is checked through the layer
+  below.)"""
   rng = np.random.default_rng(0)
   m, k, n, lat, f = 64, 3, 8, 6, 5
   idx = skewed_routing(rng, m, n, k)
@@ -109,7 +105,7 @@ def test_exchange_matches_dropless_reference(exchange, cf):
   p = jnp.asarray(rng.uniform(0.1, 1.0, (m, k)), jnp.float32)
   weights = tuple(jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.float32)
                   for s in ((n, lat, f), (n, lat, f), (n, f, lat)))
-  keep = expected_keep(idx, 8, 4, n, cf, exchange)
+  keep = expected_keep(idx, 8, 4, n, cf)
   assert keep.all() == (cf == 4.0)
 
   y, dropped, grads = run_exchange(exchange, x, jnp.asarray(idx), p, weights, n, cf)

@@ -11,10 +11,13 @@ the results back the same way. Two exchanges, chosen by platform (`default_excha
 * "padded" (CPU): `jax.lax.all_to_all` of a [P, C, L] buffer, C rows per (source, owner) pair; the
   owner sorts what it received by local expert.
 
-Both buffers are bounded by `capacity_factor` (padded: C = ceil(cf * R / P) per pair; ragged:
-ceil(cf * R) rows per receiver, R = tokens * k on a device), so a (token, slot) pair can be dropped
-when one owner is overloaded. Dropped pairs contribute zero and are counted: the count is returned
-and the MoE layer sows it. cf >= P makes both paths dropless.
+Each receiver keeps at most B = min(P * R, ceil(cf * R)) rows, R = tokens * k on a device, so a
+(token, slot) pair can be dropped when one owner is overloaded. Both exchanges keep the same pairs
+(DESIGN §5: the two paths must agree): the first B of the owner's rows in (local expert, source,
+position) order (`ragged_layout`, from every source's per-expert counts). The padded buffer's pairs
+hold C = min(R, B) rows, all that one source can have kept; what a source sends is already cut to
+the owner's budget. Dropped pairs contribute zero and are counted: the count is returned and the MoE
+layer sows it. cf >= P makes both paths dropless.
 """
 
 import math
@@ -50,19 +53,25 @@ def _check(num_experts, parts, w_gate_ELF):
 def padded_expert_parallel(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL, *, num_experts: int,
                            capacity_factor: float, b1: float, b2: float, axis_name: str = "expert",
                            grouped_matmul: str = "auto"):
-  """Routed-expert mixture [M, L] (float32) and dropped-pair count, via capacity-padded all_to_all."""
+  """Routed-expert mixture [M, L] (float32) and dropped-pair count, via capacity-padded all_to_all;
+  it keeps the pairs that `ragged_expert_parallel` keeps."""
   parts = jax.lax.axis_size(axis_name)
   _check(num_experts, parts, w_gate_ELF)
   m, k = idx_MK.shape
   e_loc, rows = num_experts // parts, m * k
-  cap = max(1, math.ceil(capacity_factor * rows / parts))
+  buffer_rows = receiver_rows(capacity_factor, rows, parts)
+  cap = min(rows, buffer_rows)
   order_R, inverse_R, sizes_E = sort_by_expert(idx_MK, num_experts)
   x_RL = gather_pairs(x_ML, order_R, inverse_R, k)
   expert_R = idx_MK.reshape(-1)[order_R]
   owner_R = expert_R // e_loc
-  sizes_P = sizes_E.reshape(parts, e_loc).sum(axis=1)
-  pos_R = jnp.arange(rows, dtype=jnp.int32) - (jnp.cumsum(sizes_P) - sizes_P)[owner_R]
-  keep_R = pos_R < cap
+  # The rows of each expert that its owner keeps: the first send_E[e] of this source's (sorted) group.
+  _, sent_DES = ragged_layout(jax.lax.all_gather(sizes_E, axis_name), parts, buffer_rows)
+  send_E = sent_DES[:, :, jax.lax.axis_index(axis_name)].reshape(num_experts)
+  row_R = jnp.arange(rows, dtype=jnp.int32)
+  keep_R = row_R - (jnp.cumsum(sizes_E) - sizes_E)[expert_R] < send_E[expert_R]
+  send_P = send_E.reshape(parts, e_loc).sum(axis=1)
+  pos_R = jnp.cumsum(keep_R, dtype=jnp.int32) - 1 - (jnp.cumsum(send_P) - send_P)[owner_R]
   slot_R = jnp.where(keep_R, owner_R * cap + pos_R, parts * cap)  # out of range: dropped by the scatter
 
   send_XL = jnp.zeros((parts * cap, x_RL.shape[1]), x_RL.dtype).at[slot_R].set(x_RL, mode="drop")
@@ -80,6 +89,11 @@ def padded_expert_parallel(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL,
   y_XL = swap(permute_rows(y_sorted, local_inverse, local_order).astype(x_RL.dtype))
   y_RL = jnp.where(keep_R[:, None], y_XL[jnp.minimum(slot_R, parts * cap - 1)], 0)
   return combine(y_RL, order_R, inverse_R, p_MK), jnp.sum(~keep_R).astype(jnp.int32)
+
+
+def receiver_rows(capacity_factor: float, rows: int, parts: int) -> int:
+  """Rows one owner keeps of what all sources send it: ceil(cf * rows), at least 1, at most all."""
+  return min(parts * rows, max(1, math.ceil(capacity_factor * rows)))
 
 
 def ragged_layout(counts_SE, parts: int, buffer_rows: int):
@@ -106,7 +120,7 @@ def ragged_expert_parallel(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL,
   _check(num_experts, parts, w_gate_ELF)
   m, k = idx_MK.shape
   e_loc, rows = num_experts // parts, m * k
-  buffer_rows = min(parts * rows, max(1, math.ceil(capacity_factor * rows)))
+  buffer_rows = receiver_rows(capacity_factor, rows, parts)
   me = jax.lax.axis_index(axis_name)
   order_R, inverse_R, sizes_E = sort_by_expert(idx_MK, num_experts)
   x_RL = gather_pairs(x_ML, order_R, inverse_R, k)
