@@ -27,7 +27,8 @@ _INPUT_AXES = {"embed", "mlp", "latent", "q_lora", "kv_lora", "rank"}
 def learning_rate_schedule(cfg_opt, total_steps: int):
   """The rate of update `count` (0-based): linear warmup to cfg_opt.lr at update warmup_steps - 1,
   starting from lr / warmup_steps (not 0, which would make the first update none), then cosine decay
-  to lr * final_lr_fraction at the last update, total_steps - 1."""
+  to lr * final_lr_fraction at the last update, total_steps - 1. A warmup as long as the run or longer
+  ends at the peak on the last update, with no decay."""
   warmup = min(cfg_opt.warmup_steps, total_steps)
   peak, end = cfg_opt.lr, cfg_opt.lr * cfg_opt.final_lr_fraction
   top = max(warmup - 1, 0)  # the first update at the peak

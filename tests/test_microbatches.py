@@ -51,7 +51,7 @@ def batch_of(seed: int = 0, rows: int = ROWS) -> dict:
   # Documents of several lengths, and loss masks with different weight per row, so that the passes
   # hold different shares of the batch's loss.
   seg = np.repeat(np.array([[1] * 20 + [2] * 12]), rows, axis=0).astype(np.int32)
-  seg[0] = np.repeat([1, 2, 3, 4], SEQ // 4)  # two passes of two rows hold 6 and 4 documents
+  seg[0] = np.repeat([1, 2, 3, 4], SEQ // 4)  # two passes of two rows hold 6 and 3 documents
   seg[1] = 1
   density = np.resize([0.9, 0.3, 0.6, 1.0, 0.5, 0.8, 0.2, 0.7], rows)[:, None]
   mask = (rng.random((rows, SEQ)) < density).astype(np.float32)
