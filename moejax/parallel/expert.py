@@ -11,13 +11,15 @@ the results back the same way. Two exchanges, chosen by platform (`default_excha
 * "padded" (CPU): `jax.lax.all_to_all` of a [P, C, L] buffer, C rows per (source, owner) pair; the
   owner sorts what it received by local expert.
 
-Each receiver keeps at most B = min(P * R, ceil(cf * R)) rows, R = tokens * k on a device, so a
-(token, slot) pair can be dropped when one owner is overloaded. Both exchanges keep the same pairs
-(DESIGN §5: the two paths must agree): the first B of the owner's rows in (local expert, source,
-position) order (`ragged_layout`, from every source's per-expert counts). The padded buffer's pairs
-hold C = min(R, B) rows, all that one source can have kept; what a source sends is already cut to
-the owner's budget. Dropped pairs contribute zero and are counted: the count is returned and the MoE
-layer sows it. cf >= P makes both paths dropless.
+Each receiver keeps at most B = min(P * R, max(1, ceil(cf * R))) rows, R = tokens * k on a device,
+so a (token, slot) pair can be dropped when one owner is overloaded. Both exchanges keep the same
+pairs (DESIGN §5: the two paths must agree): the first B of the owner's rows in (local expert,
+source, position) order (`ragged_layout`, from every source's per-expert counts). The padded
+buffer's pairs hold C = min(R, B) rows, all that one source can have kept; what a source sends is
+already cut to the owner's budget. So the padded exchange moves P * C rows, up to P times the ragged
+buffer (it runs on the CPU only), and its experts run on the B rows that can hold data. Dropped pairs
+contribute zero and are counted: the count is returned and the MoE layer sows it. cf >= P makes both
+paths dropless.
 """
 
 import math
@@ -84,8 +86,11 @@ def padded_expert_parallel(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL,
   local_order = jnp.argsort(recv_X, stable=True).astype(jnp.int32)
   local_sizes = jnp.zeros((e_loc + 1,), jnp.int32).at[recv_X].add(1)[:e_loc]
   local_inverse = inverse_permutation(local_order)
-  y_sorted = grouped_situ_glu(permute_rows(recv_XL, local_order, local_inverse), local_sizes, w_gate_ELF,
-                              w_up_ELF, w_down_EFL, b1, b2, grouped_matmul)
+  # At most buffer_rows rows reach an owner and the empty slots sort last: the experts run on those.
+  sorted_XL = permute_rows(recv_XL, local_order, local_inverse)[:buffer_rows]
+  y_sorted = grouped_situ_glu(sorted_XL, local_sizes, w_gate_ELF, w_up_ELF, w_down_EFL, b1, b2,
+                              grouped_matmul)
+  y_sorted = jnp.pad(y_sorted, ((0, parts * cap - buffer_rows), (0, 0)))
   y_XL = swap(permute_rows(y_sorted, local_inverse, local_order).astype(x_RL.dtype))
   y_RL = jnp.where(keep_R[:, None], y_XL[jnp.minimum(slot_R, parts * cap - 1)], 0)
   return combine(y_RL, order_R, inverse_R, p_MK), jnp.sum(~keep_R).astype(jnp.int32)
