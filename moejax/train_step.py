@@ -5,6 +5,7 @@ state (router biases and load statistics, which get no gradient) and the rng. Ch
 pytree whole, so a resumed run continues bit-exactly.
 """
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -117,6 +118,9 @@ def _mla_max_logits(attn_stats):
   return {prefix: jnp.max(jnp.stack(vs), axis=0) for prefix, vs in sown.items()}
 
 
+# Gradients this small are summed over a step's passes as one flat vector (`_AccumulatorLayout`).
+_SMALL_GRADIENT = 1 << 18
+
 # How each sown statistic of a pass combines over a step's passes (train_step's `accumulated`), given
 # the passes' shares of the batch's documents: the aux loss is a mean over documents.
 _PASS_COMBINE = {"load": lambda x, _: jnp.sum(x, 0), "dropped": lambda x, _: jnp.sum(x, 0),
@@ -135,6 +139,52 @@ def _combine_passes(stats_P, documents_P):
     return _PASS_COMBINE[names[-1]](x, documents_P)
 
   return jax.tree_util.tree_map_with_path(combine, stats_P)
+
+
+class _AccumulatorLayout:
+  """How `accumulated` sums the passes' gradients: in float32 (or the parameter's wider type), and
+  with `flat`, the float32 gradients of at most `_SMALL_GRADIENT` elements as one flat vector. A step
+  has hundreds of those (norm scales, gates, biases, low-rank factors: 259 of experts/h200.py's 448
+  parameters), and adding each to its own accumulator is a kernel launch per parameter and pass; the
+  flat sum concatenates them inside one. Only where no parameter is split over the mesh: a
+  concatenation of split gradients would gather them.
+  """
+
+  def __init__(self, params, flat: bool):
+    leaves, self.treedef = jax.tree.flatten(params)
+    self.shapes = [(p.shape, p.dtype) for p in leaves]
+    self.small = [flat and p.size <= _SMALL_GRADIENT
+                  and jnp.promote_types(p.dtype, jnp.float32) == jnp.float32 for p in leaves]
+    self.flat_size = sum(p.size for p, s in zip(leaves, self.small, strict=True) if s)
+
+  def zeros(self):
+    """(one zero accumulator per large gradient, the flat zero vector of the small ones)."""
+    large = [jnp.zeros(shape, jnp.promote_types(dtype, jnp.float32))
+             for (shape, dtype), s in zip(self.shapes, self.small, strict=True) if not s]
+    return large, jnp.zeros((self.flat_size,), jnp.float32)
+
+  def add(self, acc, grads):
+    large, flat = acc
+    leaves = self.treedef.flatten_up_to(grads)
+    large_g = [g for g, s in zip(leaves, self.small, strict=True) if not s]
+    small_g = [g.astype(jnp.float32).reshape(-1) for g, s in zip(leaves, self.small, strict=True) if s]
+    large = [a + g.astype(a.dtype) for a, g in zip(large, large_g, strict=True)]
+    if small_g:
+      flat = flat + jnp.concatenate(small_g)
+    return large, flat
+
+  def gradients(self, acc):
+    """The summed gradients as the params' tree, each in its parameter's dtype."""
+    large, flat = iter(acc[0]), acc[1]
+    out, offset = [], 0
+    for (shape, dtype), s in zip(self.shapes, self.small, strict=True):
+      if s:
+        size = math.prod(shape)
+        out.append(flat[offset:offset + size].reshape(shape).astype(dtype))
+        offset += size
+      else:
+        out.append(next(large).astype(dtype))
+    return jax.tree.unflatten(self.treedef, out)
 
 
 def applied_updates(opt_state) -> jax.Array:
@@ -186,20 +236,21 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
     documents = lambda seg_BT: jnp.sum(document_ids(seg_BT)[:, -1] + 1).astype(jnp.float32)
     total_documents = documents(batch["segment_ids"])
 
+    layout = _AccumulatorLayout(params, flat=not meshlib.splits_params(jax.sharding.get_abstract_mesh()))
+
     def one_pass(carry, rows):
       acc, balance = carry
       ce_weight = jnp.sum(rows["loss_mask"].astype(jnp.float32)) / total
       aux_weight = documents(rows["segment_ids"]) / total_documents
       (loss, (metrics, stats)), grads = grad_fn(params, balance, rows, ce_weight, aux_weight)
       with jax.named_scope("accumulate"):
-        acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+        acc = layout.add(acc, grads)
       balance = balance_lib.next_balance_state(cfg.moe.balance, balance, stats.get("router", {}), cfg.moe)
       return (acc, balance), (loss, (ce_weight, aux_weight), metrics, stats)
 
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
     (acc, balance), (loss_P, (ce_P, aux_P), metrics_P, stats_P) = jax.lax.scan(
-        one_pass, (zeros, balance_vars), rows_PB)
-    grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+        one_pass, (layout.zeros(), balance_vars), rows_PB)
+    grads = layout.gradients(acc)
     # Per-token means weighted by tokens, the aux loss's per-document mean by documents.
     per_token, per_document = (lambda x: jnp.sum(ce_P * x)), (lambda x: jnp.sum(aux_P * x))
     combine = {"nll": per_token, "z_loss": per_token, "tokens": jnp.sum, "aux_loss": per_document}

@@ -234,6 +234,12 @@ def test_mesh_helpers_and_errors():
   assert meshlib.logical_spec(("batch", None)) == P(("data", "fsdp", "expert"), None)
   with pytest.raises(ValueError, match="no rule"):
     meshlib.logical_spec(("nonsense",))
+  # Parameters are split over fsdp, expert and tensor; over data they are replicated.
+  assert meshlib.splits_params(mesh) and not meshlib.splits_params(meshlib.make_mesh(data=8))
+  assert not meshlib.splits_params(None) and not meshlib.splits_params(jax.sharding.get_abstract_mesh())
+  for axis in ("fsdp", "tensor"):
+    assert meshlib.splits_params(jax.sharding.AbstractMesh(
+        tuple(2 if a == axis else 1 for a in meshlib.MESH_AXES), meshlib.MESH_AXES))
 
   cfg = ep_cfg()
   model = MoE(cfg)

@@ -15,10 +15,11 @@ import numpy as np
 import optax
 import pytest
 
+from moejax import train_step
 from moejax.balance import next_balance_state
 from moejax.config import base_config, validate
 from moejax.model import build_model, init_variables
-from moejax.train_step import TrainState, make_train_step
+from moejax.train_step import TrainState, _AccumulatorLayout, make_train_step
 
 ROWS, SEQ = 4, 32
 
@@ -71,10 +72,14 @@ def gradient_step(config):
   return jax.jit(make_train_step(model, optimizer, config, 10)), state, model
 
 
-@pytest.mark.parametrize("balance", ["none", "aux"])
-def test_passes_give_the_one_pass_step(balance):
+# All of this model's gradients are small enough for the flat accumulator; a threshold of 1024
+# elements sends the embedding, the experts and the wider projections to their own accumulators.
+@pytest.mark.parametrize("balance, small_gradient", [("none", 1024), ("aux", None)])
+def test_passes_give_the_one_pass_step(balance, small_gradient, monkeypatch):
   """Without a bias that moves between passes, two passes of two rows give the one-pass step's
   gradients, loss, token counts and loads; QK-clip (on for every head) takes the max logit over both."""
+  if small_gradient is not None:
+    monkeypatch.setattr(train_step, "_SMALL_GRADIENT", small_gradient)
   ref_step, state, _ = gradient_step(small_config(balance, 0, qk_clip_tau=0.01))
   acc_step, _, _ = gradient_step(small_config(balance, 2 * SEQ, qk_clip_tau=0.01))
   batch = batch_of()
@@ -90,6 +95,27 @@ def test_passes_give_the_one_pass_step(balance):
   loads = {k: v for k, v in want_m.items() if k.endswith("/load")}
   assert loads
   chex.assert_trees_all_close({k: got_m[k] for k in loads}, loads, rtol=1e-6)
+
+
+def test_accumulator_layout_sums_small_and_large_gradients(monkeypatch):
+  """Small float32 and bfloat16 gradients go through the flat vector, large ones through their own
+  accumulators; the sums come back in the params' tree, its order and dtypes."""
+  monkeypatch.setattr(train_step, "_SMALL_GRADIENT", 6)
+  rng = np.random.default_rng(0)
+  params = {"b": np.zeros((2, 3), np.float32), "a": {"w": np.zeros((4, 5), np.float32),
+                                                      "s": np.zeros((3,), jnp.bfloat16)},
+            "c": np.zeros((), np.float32)}
+  layout = _AccumulatorLayout(params, flat=True)
+  assert layout.small == [True, False, True, True]  # leaves in key order: a/s, a/w, b, c
+  assert _AccumulatorLayout(params, flat=False).small == [False] * 4
+  grads = [jax.tree.map(lambda p: rng.normal(size=p.shape).astype(p.dtype), params) for _ in range(3)]
+  acc = layout.zeros()
+  for g in grads:
+    acc = layout.add(acc, g)
+  got = layout.gradients(acc)
+  want = jax.tree.map(lambda p, *gs: sum(np.float32(g) for g in gs).astype(p.dtype), params, *grads)
+  chex.assert_trees_all_equal_dtypes(got, params)
+  chex.assert_trees_all_close(got, want, rtol=1e-6)
 
 
 def _is_layer(tree) -> bool:

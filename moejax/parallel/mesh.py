@@ -77,6 +77,16 @@ def token_shards(mesh) -> int:
   return math.prod(axis_size(mesh, a) for a in token_axes(mesh))
 
 
+def splits_params(mesh, rules=LOGICAL_AXIS_RULES) -> bool:
+  """Whether `mesh` (abstract or concrete; None or empty: no) has more than one shard on an axis
+  that `rules` map a parameter's logical axis to (every rule but the batch's)."""
+  param_axes = set()
+  for name, axes in rules:
+    if name != "batch":
+      param_axes.update((axes,) if isinstance(axes, str) else axes or ())
+  return any(axis_size(mesh, a) > 1 for a in param_axes)
+
+
 def logical_spec(names, rules=LOGICAL_AXIS_RULES) -> P:
   """PartitionSpec for a tuple of logical axis names (None stays unsharded)."""
   table = dict(rules)
