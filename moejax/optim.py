@@ -19,9 +19,49 @@ from optax.contrib import MuonDimensionNumbers
 
 from moejax.muon import scale_by_muon
 from moejax.nn import LAYERS_AXIS, layers_lead
+from moejax.parallel.mesh import splits_params
 
 _ADAM_ONLY_AXES = {"vocab", "conv", "norm"}
 _INPUT_AXES = {"embed", "mlp", "latent", "q_lora", "kv_lora", "rank"}
+
+# Gradients of at most this many elements (norm scales, gates, biases, low-rank factors: 259 of
+# experiments/h200.py's 448 parameters) are reduced, and summed over a step's passes, as one flat
+# concatenation: one kernel where each leaf of its own would launch one.
+SMALL_LEAF = 1 << 18
+
+
+def concatenates_small_leaves() -> bool:
+  """Whether small leaves may be concatenated in the computation being traced: only where no
+  parameter is split over its mesh (`jax.set_mesh`), as a concatenation of split leaves would
+  gather them."""
+  return not splits_params(jax.sharding.get_abstract_mesh())
+
+
+def global_norm(tree) -> jax.Array:
+  """The 2-norm over every leaf (optax.tree.norm), summed in float32; where
+  `concatenates_small_leaves`, the leaves of at most SMALL_LEAF elements are reduced as one."""
+  leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(tree)]
+  flat = concatenates_small_leaves()
+  small = [x.reshape(-1) for x in leaves if flat and x.size <= SMALL_LEAF]
+  large = [x for x in leaves if not (flat and x.size <= SMALL_LEAF)]
+  if len(small) > 1:
+    large.append(jnp.concatenate(small))
+  else:
+    large += small
+  return jnp.sqrt(sum((jnp.sum(jnp.square(x)) for x in large), jnp.zeros((), jnp.float32)))
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+  """optax.clip_by_global_norm (and its empty state, so checkpoints of either restore into the other)
+  with `global_norm`: updates scaled by max_norm / norm where the norm exceeds max_norm."""
+
+  def update(updates, state, params=None):
+    del params
+    norm = global_norm(updates)
+    scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+    return jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates), state
+
+  return optax.GradientTransformation(optax.init_empty_state, update)
 
 
 def learning_rate_schedule(cfg_opt, total_steps: int):
@@ -103,7 +143,7 @@ def make_optimizer(cfg_opt, logical_axes, total_steps: int) -> optax.GradientTra
     }, labels)
   else:
     raise ValueError(f"optim.name={cfg_opt.name!r}: expected 'adamw' or 'muon'")
-  chain = [optax.clip_by_global_norm(cfg_opt.grad_clip)] if cfg_opt.grad_clip > 0 else []
+  chain = [clip_by_global_norm(cfg_opt.grad_clip)] if cfg_opt.grad_clip > 0 else []
   return optax.chain(*chain, core)
 
 

@@ -16,6 +16,7 @@ import optax
 
 from moejax import balance as balance_lib
 from moejax import metrics as metrics_lib
+from moejax import optim as optim_lib
 from moejax.config import passes_per_step
 from moejax.loss import cross_entropy
 from moejax.model import Transformer, init_variables, per_layer
@@ -118,9 +119,6 @@ def _mla_max_logits(attn_stats):
   return {prefix: jnp.max(jnp.stack(vs), axis=0) for prefix, vs in sown.items()}
 
 
-# Gradients this small are summed over a step's passes as one flat vector (`_AccumulatorLayout`).
-_SMALL_GRADIENT = 1 << 18
-
 # How each sown statistic of a pass combines over a step's passes (train_step's `accumulated`), given
 # the passes' shares of the batch's documents: the aux loss is a mean over documents.
 _PASS_COMBINE = {"load": lambda x, _: jnp.sum(x, 0), "dropped": lambda x, _: jnp.sum(x, 0),
@@ -143,17 +141,14 @@ def _combine_passes(stats_P, documents_P):
 
 class _AccumulatorLayout:
   """How `accumulated` sums the passes' gradients: in float32 (or the parameter's wider type), and
-  with `flat`, the float32 gradients of at most `_SMALL_GRADIENT` elements as one flat vector. A step
-  has hundreds of those (norm scales, gates, biases, low-rank factors: 259 of experts/h200.py's 448
-  parameters), and adding each to its own accumulator is a kernel launch per parameter and pass; the
-  flat sum concatenates them inside one. Only where no parameter is split over the mesh: a
-  concatenation of split gradients would gather them.
+  with `flat` (optim.concatenates_small_leaves), the float32 gradients of at most optim.SMALL_LEAF
+  elements as one flat vector: one kernel a pass for all of them, not one per parameter.
   """
 
   def __init__(self, params, flat: bool):
     leaves, self.treedef = jax.tree.flatten(params)
     self.shapes = [(p.shape, p.dtype) for p in leaves]
-    self.small = [flat and p.size <= _SMALL_GRADIENT
+    self.small = [flat and p.size <= optim_lib.SMALL_LEAF
                   and jnp.promote_types(p.dtype, jnp.float32) == jnp.float32 for p in leaves]
     self.flat_size = sum(p.size for p, s in zip(leaves, self.small, strict=True) if s)
 
@@ -236,7 +231,7 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
     documents = lambda seg_BT: jnp.sum(document_ids(seg_BT)[:, -1] + 1).astype(jnp.float32)
     total_documents = documents(batch["segment_ids"])
 
-    layout = _AccumulatorLayout(params, flat=not meshlib.splits_params(jax.sharding.get_abstract_mesh()))
+    layout = _AccumulatorLayout(params, flat=optim_lib.concatenates_small_leaves())
 
     def one_pass(carry, rows):
       acc, balance = carry
@@ -270,7 +265,7 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
       loss, (metrics, stats), grads, new_balance = accumulated(state.params, state.balance, batch, passes)
     # The named scopes label the step's parts in profiles (benchmarks/trace_parts.py).
     with jax.named_scope("optimizer"):
-      grad_norm = optax.tree.norm(grads)
+      grad_norm = optim_lib.global_norm(grads)
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       if config.optim.qk_clip_tau > 0:

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 
-from moejax import train_step
+from moejax import optim as optim_lib
 from moejax.balance import next_balance_state
 from moejax.config import base_config, validate
 from moejax.model import build_model, init_variables
@@ -79,7 +79,7 @@ def test_passes_give_the_one_pass_step(balance, small_gradient, monkeypatch):
   """Without a bias that moves between passes, two passes of two rows give the one-pass step's
   gradients, loss, token counts and loads; QK-clip (on for every head) takes the max logit over both."""
   if small_gradient is not None:
-    monkeypatch.setattr(train_step, "_SMALL_GRADIENT", small_gradient)
+    monkeypatch.setattr(optim_lib, "SMALL_LEAF", small_gradient)
   ref_step, state, _ = gradient_step(small_config(balance, 0, qk_clip_tau=0.01))
   acc_step, _, _ = gradient_step(small_config(balance, 2 * SEQ, qk_clip_tau=0.01))
   batch = batch_of()
@@ -100,7 +100,7 @@ def test_passes_give_the_one_pass_step(balance, small_gradient, monkeypatch):
 def test_accumulator_layout_sums_small_and_large_gradients(monkeypatch):
   """Small float32 and bfloat16 gradients go through the flat vector, large ones through their own
   accumulators; the sums come back in the params' tree, its order and dtypes."""
-  monkeypatch.setattr(train_step, "_SMALL_GRADIENT", 6)
+  monkeypatch.setattr(optim_lib, "SMALL_LEAF", 6)
   rng = np.random.default_rng(0)
   params = {"b": np.zeros((2, 3), np.float32), "a": {"w": np.zeros((4, 5), np.float32),
                                                       "s": np.zeros((3,), jnp.bfloat16)},

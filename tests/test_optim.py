@@ -17,11 +17,14 @@ import pytest
 from flax import traverse_util
 from optax.contrib import MuonDimensionNumbers
 
+from moejax import optim as optim_lib
 from moejax.config import base_config, validate
 from moejax.layers.mla import GatedMLA, max_logits
 from moejax.layers.short_conv import document_ids
 from moejax.model import build_model
 from moejax.optim import (
+  clip_by_global_norm,
+  global_norm,
   learning_rate_schedule,
   make_optimizer,
   matrix_axes,
@@ -262,6 +265,28 @@ def test_decoupled_decay_follows_the_mask_on_both_sides(name):
   chex.assert_trees_all_close(u["emb"], -emb_lr * wd * params["emb"], rtol=1e-6)
   chex.assert_trees_all_equal(u["norm"], jnp.zeros_like(params["norm"]))
   chex.assert_trees_all_equal(u["bias"], jnp.zeros_like(params["bias"]))
+
+
+@pytest.mark.parametrize("mesh_splits", [False, True])
+def test_global_norm_and_its_clip(monkeypatch, mesh_splits):
+  """The small leaves reduced as one concatenation (or, on a mesh that splits parameters, each on its
+  own) give the float64 norm and clip, below and above the threshold, with optax's empty state."""
+  monkeypatch.setattr(optim_lib, "SMALL_LEAF", 8)
+  monkeypatch.setattr(optim_lib, "splits_params", lambda mesh: mesh_splits)
+  rng = np.random.default_rng(0)
+  tree = {"a": rng.normal(size=(3, 4)).astype(np.float32), "b": rng.normal(size=(5,)).astype(np.float32),
+          "c": {"d": rng.normal(size=(2,)).astype(jnp.bfloat16), "e": np.float32(rng.normal())}}
+  norm = math.sqrt(sum(float(np.sum(np.float64(x) ** 2)) for x in jax.tree.leaves(tree)))
+  np.testing.assert_allclose(jax.jit(global_norm)(tree), norm, rtol=1e-6)
+  for max_norm in (0.5 * norm, 2.0 * norm):
+    ours, theirs = clip_by_global_norm(max_norm), optax.clip_by_global_norm(max_norm)
+    assert jax.tree.structure(ours.init(tree)) == jax.tree.structure(theirs.init(tree))
+    got, _ = jax.jit(ours.update)(tree, ours.init(tree))
+    chex.assert_trees_all_equal_dtypes(got, tree)
+    scale = min(1.0, max_norm / norm)
+    for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(tree), strict=True):
+      np.testing.assert_allclose(np.float64(g), np.float64(x) * scale,
+                                 rtol=1e-2 if x.dtype == jnp.bfloat16 else 1e-6)
 
 
 def test_warmup_cosine_schedule_values():
