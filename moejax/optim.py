@@ -32,18 +32,20 @@ SMALL_LEAF = 1 << 18
 
 def concatenates_small_leaves() -> bool:
   """Whether small leaves may be concatenated in the computation being traced: only where no
-  parameter is split over its mesh (`jax.set_mesh`), as a concatenation of split leaves would
-  gather them."""
+  parameter is split over its mesh, as a concatenation of split leaves would gather them. The mesh is
+  the one set by `jax.set_mesh`; a step traced without it on split parameters would gather them
+  (correctly, but slowly): train.py and the benchmarks trace under the run's mesh."""
   return not splits_params(jax.sharding.get_abstract_mesh())
 
 
 def global_norm(tree) -> jax.Array:
-  """The 2-norm over every leaf (optax.tree.norm), summed in float32; where
-  `concatenates_small_leaves`, the leaves of at most SMALL_LEAF elements are reduced as one."""
-  leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(tree)]
+  """The 2-norm over every leaf (optax.tree.norm), summed in float32 (or a leaf's wider type); where
+  `concatenates_small_leaves`, the float32 leaves of at most SMALL_LEAF elements are reduced as one."""
+  leaves = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in jax.tree.leaves(tree)]
   flat = concatenates_small_leaves()
-  small = [x.reshape(-1) for x in leaves if flat and x.size <= SMALL_LEAF]
-  large = [x for x in leaves if not (flat and x.size <= SMALL_LEAF)]
+  is_small = lambda x: flat and x.size <= SMALL_LEAF and x.dtype == jnp.float32
+  small = [x.reshape(-1) for x in leaves if is_small(x)]
+  large = [x for x in leaves if not is_small(x)]
   if len(small) > 1:
     large.append(jnp.concatenate(small))
   else:

@@ -214,7 +214,9 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
 
   def accumulated(params, balance_vars, batch, passes: int):
     """(loss, (metrics, stats), grads, balance after the last pass) of the batch in `passes` passes
-    (train.microbatch_tokens); the loss and gradients are those of the batch in one pass.
+    (train.microbatch_tokens), weighted so that the passes' losses and gradients sum to the whole
+    batch's: with a bias that does not move between passes ("none", "aux"), those of the batch in one
+    pass.
 
     Pass p takes rows p, p + passes, ...: a row shard, a contiguous block of rows, holds its share of
     every pass. The cross-entropy is weighted by each pass's share of the batch's loss-mask weight and
@@ -222,7 +224,8 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
     summed loss and gradients are the whole batch's. Each pass routes with the balance state the pass
     before it left (causal, as between steps), so a step of n passes makes n balance updates: n sign
     steps under "sign", the last pass's bias under "quantile". The router loads, drops, aux losses and
-    max attention logits are combined over the passes (`_PASS_COMBINE`).
+    max attention logits are combined over the passes (`_PASS_COMBINE`), so the step's balance metrics
+    (MaxVio, load shares) are those of its summed loads, not of the worst pass.
     """
     rows_PB = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // passes, passes, *x.shape[1:]),
                                                   0, 1), batch)
@@ -235,7 +238,9 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
 
     def one_pass(carry, rows):
       acc, balance = carry
-      ce_weight = jnp.sum(rows["loss_mask"].astype(jnp.float32)) / total
+      # A pass's cross-entropy is its masked sum over max(its mask's sum, 1), as the batch's is over
+      # `total`: weighted so, fractional masks with sums below 1 come out right too.
+      ce_weight = jnp.maximum(jnp.sum(rows["loss_mask"].astype(jnp.float32)), 1.0) / total
       aux_weight = documents(rows["segment_ids"]) / total_documents
       (loss, (metrics, stats)), grads = grad_fn(params, balance, rows, ce_weight, aux_weight)
       with jax.named_scope("accumulate"):

@@ -74,8 +74,10 @@ def gradient_step(config):
 
 # All of this model's gradients are small enough for the flat accumulator; a threshold of 1024
 # elements sends the embedding, the experts and the wider projections to their own accumulators.
-@pytest.mark.parametrize("balance, small_gradient", [("none", 1024), ("aux", None)])
-def test_passes_give_the_one_pass_step(balance, small_gradient, monkeypatch):
+# mask_scale 0.01: fractional loss masks whose sum in a pass is below 1, which the cross-entropy
+# divides by 1 rather than by the sum.
+@pytest.mark.parametrize("balance, small_gradient, mask_scale", [("none", 1024, 1.0), ("aux", None, 0.01)])
+def test_passes_give_the_one_pass_step(balance, small_gradient, mask_scale, monkeypatch):
   """Without a bias that moves between passes, two passes of two rows give the one-pass step's
   gradients, loss, token counts and loads; QK-clip (on for every head) takes the max logit over both."""
   if small_gradient is not None:
@@ -83,6 +85,8 @@ def test_passes_give_the_one_pass_step(balance, small_gradient, monkeypatch):
   ref_step, state, _ = gradient_step(small_config(balance, 0, qk_clip_tau=0.01))
   acc_step, _, _ = gradient_step(small_config(balance, 2 * SEQ, qk_clip_tau=0.01))
   batch = batch_of()
+  batch["loss_mask"] = batch["loss_mask"] * np.float32(mask_scale)
+  assert mask_scale == 1.0 or 0 < batch["loss_mask"][0::2].sum() < 1  # pass 0: rows 0 and 2
   want, want_m = ref_step(state, batch)
   got, got_m = acc_step(state, batch)
   # The sequence-wise aux loss is a mean over a pass's documents, weighted by the pass's share of them.
@@ -156,23 +160,26 @@ def test_passes_trace_the_model_once():
   calls = []
   apply = model.apply
 
-  def counting_apply(*args, **kwargs):
-    calls.append(1)
-    return apply(*args, **kwargs)
+  def counting_apply(variables, tokens, *args, **kwargs):
+    calls.append(tokens.shape[0])
+    return apply(variables, tokens, *args, **kwargs)
 
   object.__setattr__(model, "apply", counting_apply)
   step(state, batch_of())
-  assert len(calls) == 1
+  assert calls == [1]  # once, with one pass's row
 
 
-def test_passes_on_a_data_x_expert_mesh_match_one_device():
-  """Two passes of four rows on a 2 x 2 data x expert mesh (each pass split over the row shards, the
-  experts exchanged by all-to-all) give the one-pass step on one device."""
+# data x expert: the experts exchanged by all-to-all, the small gradients each in its own accumulator;
+# data alone: parameters replicated, so the small gradients go through the flat one.
+@pytest.mark.parametrize("mesh_axes", [{"data": 2, "expert": 2}, {"data": 4}])
+def test_passes_on_a_mesh_match_one_device(mesh_axes):
+  """Two passes of four rows on a mesh of four devices (each pass split over the row shards) give the
+  one-pass step on one device."""
   from moejax.parallel import mesh as meshlib
 
   rows = 8
   ref_step, state, _ = gradient_step(small_config("none", 0, rows=rows))
-  config = small_config("none", 4 * SEQ, rows=rows, mesh={"data": 2, "expert": 2})
+  config = small_config("none", 4 * SEQ, rows=rows, mesh=mesh_axes)
   mesh_step, _, _ = gradient_step(config)
   batch = batch_of(2, rows)
   want, want_m = ref_step(state, batch)
