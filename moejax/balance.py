@@ -117,12 +117,11 @@ def quantile_bias(scores, k: int, bias=None, iters: int = 4, *, bins: int | None
       t_N = margin_threshold(s_MN, b_N, k, num_above, implementation=implementation)
     else:
       t_N = histogram_threshold(choice_margins(s_MN, b_N, k), num_above, bins, axis_name)
-    # b = -t re-centred: mean(t) - t, which is (-t) - mean(-t) to the bit. The barriers fence it off
-    # from the sweeps around it, so XLA compiles it alike whichever implementation made t: fused with
-    # the XLA sweep, its mean came out an ulp off the kernels' (another reduction order), and the
-    # biases drifted apart over the sweeps. One expression between them is one kernel a sweep.
-    t_N = jax.lax.optimization_barrier(t_N)
-    b_N = jax.lax.optimization_barrier(jnp.mean(t_N) - t_N)
+    # The barriers fence the re-centring off from the sweeps around it, so XLA compiles it alike
+    # whichever implementation made t: fused with the XLA sweep, its mean came out an ulp off the
+    # kernels' (another reduction order), and the biases drifted apart over the sweeps.
+    b_N = -jax.lax.optimization_barrier(t_N)
+    b_N = jax.lax.optimization_barrier(b_N - jnp.mean(b_N))
   return b_N
 
 
