@@ -1,5 +1,5 @@
 """The HBM traffic of a compiled step, read off its HLO: what each kernel writes and reads, by model part
-and dtype, and the activation-sized float32 buffers that pass between kernels.
+and dtype, the activation-sized float32 buffers that pass between kernels, and the kernel launches.
 
 A static count, no timing: each kernel (a fusion, a library call, a copy) writes its outputs and reads its
 operands once, whole. That misses in-kernel re-reads and counts in-place updates in full, so it is a
@@ -238,6 +238,14 @@ def part_totals(hlo_text: str) -> collections.Counter:
   return totals
 
 
+def launch_counts(hlo_text: str) -> collections.Counter:
+  """{(part, direction): kernel launches per step}: each of `kernels` times its loop trip counts."""
+  counts = collections.Counter()
+  for k in kernels(hlo_text)[0]:
+    counts[model_part(k.op_name)] += k.times
+  return counts
+
+
 def _gib(n: float) -> str:
   return f"{n / 2**30:.2f}"
 
@@ -263,7 +271,8 @@ def report(hlo_text: str, min_elements: int, title: str, baseline: str | None = 
   by_dtype = lambda dt: sum(sum(v) for (_, _, t), v in table.items() if t == dt)
   written, read = (sum(v[i] for v in table.values()) for i in (0, 1))
   f32, bf16 = by_dtype("f32"), by_dtype("bf16")
-  lines += [f"| **all** | | {_gib(written)} | {_gib(read)} | {_gib(f32)} | {_gib(bf16)} |", ""]
+  lines += [f"| **all** | | {_gib(written)} | {_gib(read)} | {_gib(f32)} | {_gib(bf16)} |", "",
+            f"Kernel launches per step: {sum(launch_counts(hlo_text).values()):,}.", ""]
   wide = wide_buffers(hlo_text, min_elements)
   by_part = collections.defaultdict(lambda: [0, 0, 0])
   for part, direction, a, reads, _, _ in wide:
@@ -286,6 +295,13 @@ def report(hlo_text: str, min_elements: int, title: str, baseline: str | None = 
       if abs(after[key] - before[key]) >= 2**28:  # a quarter GiB
         lines.append(f"| {key[0]} | {key[1]} | {_gib(before[key])} | {_gib(after[key])} |")
     lines += [f"| **all** | | {_gib(sum(before.values()))} | {_gib(sum(after.values()))} |", ""]
+    before, after = launch_counts(baseline), launch_counts(hlo_text)
+    lines += ["Kernel launches per step against the baseline module (parts whose count moved):", "",
+              "| part | direction | baseline | this |", "|---|---|---|---|"]
+    for key in sorted(set(before) | set(after), key=lambda k: after[k] - before[k]):
+      if after[key] != before[key]:
+        lines.append(f"| {key[0]} | {key[1]} | {before[key]:,} | {after[key]:,} |")
+    lines += [f"| **all** | | {sum(before.values()):,} | {sum(after.values()):,} |", ""]
   return lines
 
 

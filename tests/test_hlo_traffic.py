@@ -95,6 +95,14 @@ def test_part_totals_and_report():
                   "| pre-norms | backward | 1 | 0.00 | 0.00 |"]
   assert "Float32 kernel outputs of 32 elements or more: 4, 0.00 GiB written" in "\n".join(lines)
   assert "Against the baseline module (GiB, written + read):" in lines
+  # Launches: mixer_norm's fusion and the cuBLAS call once, the loop body's fusion 3 times, the two
+  # optimizer ops outside the loop once each, the loop condition's compare once (the baseline's loop
+  # runs once).
+  assert hlo_traffic.launch_counts(HLO) == {
+      ("pre-norms", "backward"): 1, ("KDA / qkv_conv", "forward"): 1, ("optimizer update", ""): 5,
+      ("other (outside the model and the named parts)", ""): 1}
+  assert "Kernel launches per step: 8." in lines
+  assert "| optimizer update |  | 3 | 5 |" in lines and "| **all** | | 6 | 8 |" in lines
 
 
 CALL_HLO = """HloModule m
