@@ -26,7 +26,7 @@ _INPUT_AXES = {"embed", "mlp", "latent", "q_lora", "kv_lora", "rank"}
 
 # Gradients of at most this many elements (norm scales, gates, biases, low-rank factors: 259 of
 # experiments/h200.py's 448 parameters) are reduced, and summed over a step's passes, as one flat
-# concatenation: one kernel where each leaf of its own would launch one.
+# concatenation: a few kernels (XLA splits a long concatenation) instead of one per leaf.
 SMALL_LEAF = 1 << 18
 
 

@@ -142,7 +142,7 @@ def _combine_passes(stats_P, documents_P):
 class _AccumulatorLayout:
   """How `accumulated` sums the passes' gradients: in float32 (or the parameter's wider type), and
   with `flat` (optim.concatenates_small_leaves), the float32 gradients of at most optim.SMALL_LEAF
-  elements as one flat vector: one kernel a pass for all of them, not one per parameter.
+  elements as one flat vector: a few kernels a pass for all of them, not one per parameter.
   """
 
   def __init__(self, params, flat: bool):
