@@ -39,7 +39,8 @@ _BYTES = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
 # the second half of an async pair.
 _NOT_KERNELS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional",
                 "call", "after-all", "partition-id", "replica-id", "opt-barrier", "fusion-done", "copy-done",
-                "async-done", "add-dependency", "domain"}
+                "async-done", "all-reduce-done", "all-gather-done", "collective-permute-done", "send-done",
+                "recv-done", "add-dependency", "domain"}
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -151,6 +152,8 @@ def kernels(hlo_text: str) -> tuple[list[Kernel], dict[str, list[Array]]]:
               or (key == "to_apply" and opcode != "call")  # a reduce's or a sort's comparator
           if runs_inside:
             fused.add(callee)  # part of this instruction's own kernel
+          elif key == "condition" and trip:
+            continue  # XLA runs a loop of known trip count without evaluating its condition
           else:  # loop bodies and conditions, branches, and calls (e.g. XLA's command buffers)
             children[comp].append((callee, int(trip.group(1)) if trip and key == "body" else 1))
     parsed[comp] = rows

@@ -30,22 +30,25 @@ _INPUT_AXES = {"embed", "mlp", "latent", "q_lora", "kv_lora", "rank"}
 SMALL_LEAF = 1 << 18
 
 
-def concatenates_small_leaves() -> bool:
-  """Whether small leaves may be concatenated in the computation being traced: only where no
-  parameter is split over its mesh, as a concatenation of split leaves would gather them. The mesh is
-  the one set by `jax.set_mesh`; a step traced without it on split parameters would gather them
-  (correctly, but slowly): train.py and the benchmarks trace under the run's mesh."""
-  return not splits_params(jax.sharding.get_abstract_mesh())
+def flattens(x) -> bool:
+  """Whether leaf `x` (an array, or a tracer of the computation being traced) joins the flat
+  concatenation of small leaves: float32 (or narrower), at most SMALL_LEAF elements, and split by no
+  mesh. Concatenating split leaves would gather them (under an Explicit mesh, refuse to): both the
+  leaf's own sharding and the mesh of `jax.set_mesh` (whose Auto axes leave the leaf's type
+  unsharded) are checked."""
+  x = jnp.asarray(x) if not hasattr(x, "dtype") else x
+  if x.size > SMALL_LEAF or jnp.promote_types(x.dtype, jnp.float32) != jnp.float32:
+    return False
+  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()
+  return all(axes is None for axes in spec) and not splits_params(jax.sharding.get_abstract_mesh())
 
 
 def global_norm(tree) -> jax.Array:
-  """The 2-norm over every leaf (optax.tree.norm), summed in float32 (or a leaf's wider type); where
-  `concatenates_small_leaves`, the float32 leaves of at most SMALL_LEAF elements are reduced as one."""
-  leaves = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in jax.tree.leaves(tree)]
-  flat = concatenates_small_leaves()
-  is_small = lambda x: flat and x.size <= SMALL_LEAF and x.dtype == jnp.float32
-  small = [x.reshape(-1) for x in leaves if is_small(x)]
-  large = [x for x in leaves if not is_small(x)]
+  """The 2-norm over every leaf (optax.tree.norm, up to rounding), summed in float32 (or a leaf's
+  wider type), with the leaves that `flattens` reduced as one concatenation."""
+  leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
+  small = [x.astype(jnp.float32).reshape(-1) for x in leaves if flattens(x)]
+  large = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in leaves if not flattens(x)]
   if len(small) > 1:
     large.append(jnp.concatenate(small))
   else:
@@ -54,8 +57,9 @@ def global_norm(tree) -> jax.Array:
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-  """optax.clip_by_global_norm (and its empty state, so checkpoints of either restore into the other)
-  with `global_norm`: updates scaled by max_norm / norm where the norm exceeds max_norm."""
+  """optax.clip_by_global_norm, up to rounding (it scales by max_norm / norm in float32), with
+  `global_norm`, and with its empty state, so checkpoints of either restore into the other: updates
+  scaled by max_norm / norm where the norm exceeds max_norm."""
 
   def update(updates, state, params=None):
     del params

@@ -141,15 +141,14 @@ def _combine_passes(stats_P, documents_P):
 
 class _AccumulatorLayout:
   """How `accumulated` sums the passes' gradients: in float32 (or the parameter's wider type), and
-  with `flat` (optim.concatenates_small_leaves), the float32 gradients of at most optim.SMALL_LEAF
-  elements as one flat vector: a few kernels a pass for all of them, not one per parameter.
+  with `flat`, the gradients of the parameters that `optim.flattens` (small and unsplit) as one flat
+  float32 vector: a few kernels a pass for all of them, not one per parameter.
   """
 
-  def __init__(self, params, flat: bool):
+  def __init__(self, params, flat: bool = True):
     leaves, self.treedef = jax.tree.flatten(params)
     self.shapes = [(p.shape, p.dtype) for p in leaves]
-    self.small = [flat and p.size <= optim_lib.SMALL_LEAF
-                  and jnp.promote_types(p.dtype, jnp.float32) == jnp.float32 for p in leaves]
+    self.small = [flat and optim_lib.flattens(p) for p in leaves]
     self.flat_size = sum(p.size for p, s in zip(leaves, self.small, strict=True) if s)
 
   def zeros(self):
@@ -234,7 +233,7 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
     documents = lambda seg_BT: jnp.sum(document_ids(seg_BT)[:, -1] + 1).astype(jnp.float32)
     total_documents = documents(batch["segment_ids"])
 
-    layout = _AccumulatorLayout(params, flat=optim_lib.concatenates_small_leaves())
+    layout = _AccumulatorLayout(params)
 
     def one_pass(carry, rows):
       acc, balance = carry

@@ -16,6 +16,7 @@ import optax
 import pytest
 
 from moejax import optim as optim_lib
+from moejax import train_step
 from moejax.balance import next_balance_state
 from moejax.config import base_config, validate
 from moejax.model import build_model, init_variables
@@ -60,6 +61,20 @@ def batch_of(seed: int = 0, rows: int = ROWS) -> dict:
           "positions": np.zeros_like(tokens), "loss_mask": mask}
 
 
+@pytest.fixture
+def layouts(monkeypatch):
+  """The accumulator layouts the steps traced in the test build, in order."""
+  made = []
+
+  class Recorded(_AccumulatorLayout):
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      made.append(self)
+
+  monkeypatch.setattr(train_step, "_AccumulatorLayout", Recorded)
+  return made
+
+
 def gradient_step(config):
   """(jitted step, state) with the update params - grads."""
   model = build_model(config)
@@ -77,7 +92,7 @@ def gradient_step(config):
 # mask_scale 0.01: fractional loss masks whose sum in a pass is below 1, which the cross-entropy
 # divides by 1 rather than by the sum.
 @pytest.mark.parametrize("balance, small_gradient, mask_scale", [("none", 1024, 1.0), ("aux", None, 0.01)])
-def test_passes_give_the_one_pass_step(balance, small_gradient, mask_scale, monkeypatch):
+def test_passes_give_the_one_pass_step(balance, small_gradient, mask_scale, monkeypatch, layouts):
   """Without a bias that moves between passes, two passes of two rows give the one-pass step's
   gradients, loss, token counts and loads; QK-clip (on for every head) takes the max logit over both."""
   if small_gradient is not None:
@@ -89,6 +104,8 @@ def test_passes_give_the_one_pass_step(balance, small_gradient, mask_scale, monk
   assert mask_scale == 1.0 or 0 < batch["loss_mask"][0::2].sum() < 1  # pass 0: rows 0 and 2
   want, want_m = ref_step(state, batch)
   got, got_m = acc_step(state, batch)
+  (layout,) = layouts
+  assert any(layout.small) and (small_gradient is None) == all(layout.small)
   # The sequence-wise aux loss is a mean over a pass's documents, weighted by the pass's share of them.
   chex.assert_trees_all_close(got.params, want.params, rtol=2e-5, atol=2e-6)
   for name in ("loss", "nll", "z_loss", "tokens", "aux_loss", "grad_norm"):
@@ -172,7 +189,7 @@ def test_passes_trace_the_model_once():
 # data x expert: the experts exchanged by all-to-all, the small gradients each in its own accumulator;
 # data alone: parameters replicated, so the small gradients go through the flat one.
 @pytest.mark.parametrize("mesh_axes", [{"data": 2, "expert": 2}, {"data": 4}])
-def test_passes_on_a_mesh_match_one_device(mesh_axes):
+def test_passes_on_a_mesh_match_one_device(mesh_axes, layouts):
   """Two passes of four rows on a mesh of four devices (each pass split over the row shards) give the
   one-pass step on one device."""
   from moejax.parallel import mesh as meshlib
@@ -186,6 +203,8 @@ def test_passes_on_a_mesh_match_one_device(mesh_axes):
   mesh = meshlib.make_mesh(**config.train.mesh, axis_types=(jax.sharding.AxisType.Auto,) * 4)
   with jax.set_mesh(mesh):  # traced here: the MoE layers split over the mesh's axes
     got, got_m = mesh_step(state, jax.device_put(batch, meshlib.batch_sharding(mesh)))
+  (layout,) = layouts
+  assert all(layout.small) == ("expert" not in mesh_axes) and any(layout.small) == all(layout.small)
   chex.assert_trees_all_close(jax.device_get(got.params), want.params, rtol=2e-5, atol=2e-6)
   for name in ("loss", "nll", "tokens", "grad_norm", "moe/dropped"):
     np.testing.assert_allclose(got_m[name], want_m[name], rtol=1e-5, err_msg=name)

@@ -277,7 +277,8 @@ def test_global_norm_and_its_clip(monkeypatch, mesh_splits):
   tree = {"a": rng.normal(size=(3, 4)).astype(np.float32), "b": rng.normal(size=(5,)).astype(np.float32),
           "c": {"d": rng.normal(size=(2,)).astype(jnp.bfloat16), "e": np.float32(rng.normal())}}
   norm = math.sqrt(sum(float(np.sum(np.float64(x) ** 2)) for x in jax.tree.leaves(tree)))
-  np.testing.assert_allclose(jax.jit(global_norm)(tree), norm, rtol=1e-6)
+  # A jit of its own (not jax.jit(global_norm), whose trace the other case would reuse).
+  np.testing.assert_allclose(jax.jit(lambda t: global_norm(t))(tree), norm, rtol=1e-6)
   for max_norm in (0.5 * norm, 2.0 * norm):
     ours, theirs = clip_by_global_norm(max_norm), optax.clip_by_global_norm(max_norm)
     assert jax.tree.structure(ours.init(tree)) == jax.tree.structure(theirs.init(tree))
@@ -287,6 +288,26 @@ def test_global_norm_and_its_clip(monkeypatch, mesh_splits):
     for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(tree), strict=True):
       np.testing.assert_allclose(np.float64(g), np.float64(x) * scale,
                                  rtol=1e-2 if x.dtype == jnp.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto])
+def test_global_norm_of_split_leaves(axis_type):
+  """Leaves split over fsdp and tensor are reduced each on its own, with or without the mesh set: on
+  an Explicit mesh a concatenation with replicated leaves would be refused."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from moejax.parallel import mesh as meshlib
+
+  mesh = meshlib.make_mesh(fsdp=2, tensor=2, axis_types=(axis_type,) * len(meshlib.MESH_AXES))
+  rng = np.random.default_rng(1)
+  tree = {"a": (rng.normal(size=(4, 6)), P("fsdp", "tensor")), "b": (rng.normal(size=(6,)), P("tensor")),
+          "c": (rng.normal(size=(3,)), P()), "d": (rng.normal(size=(5,)), P())}
+  norm = math.sqrt(sum(float(np.sum(x ** 2)) for x, _ in tree.values()))
+  tree = {k: jax.device_put(x.astype(np.float32), NamedSharding(mesh, spec)) for k, (x, spec) in tree.items()}
+  np.testing.assert_allclose(jax.jit(lambda t: global_norm(t))(tree), norm, rtol=1e-6)
+  with jax.set_mesh(mesh):
+    np.testing.assert_allclose(jax.jit(lambda t: global_norm(t))(tree), norm, rtol=1e-6)
 
 
 def test_warmup_cosine_schedule_values():
