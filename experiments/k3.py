@@ -44,5 +44,5 @@ def get_config():
   m.moe.shared_hidden_dim = 4096  # A: chosen with the totals below
   m.moe.latent_dim = 3584  # R: d/2
   m.moe.expert_hidden_dim = 3072  # R
-  m.moe.routed_scaling = 2.5  # A
+  m.moe.routed_scaling = 2.5  # A; divided out by the latent RMSNorm but for its eps (config.py)
   return c

@@ -102,6 +102,9 @@ def base_config() -> ml_collections.ConfigDict:
   e.shared_hidden_dim = 64
   e.latent_dim = 32
   e.expert_hidden_dim = 32
+  # DESIGN §5 multiplies the routing weights p by this factor, but the latent RMSNorm that follows
+  # removes any common factor of the weighted sum: it moves the output only through the norm's eps
+  # (tests/test_moe.py). Kept for the formula's sake; it is not a knob for the routed branch's scale.
   e.routed_scaling = 1.0
   e.balance = "quantile"
   e.balance_iters = 4

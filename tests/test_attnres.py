@@ -89,13 +89,13 @@ def test_keys_are_normalised_values_are_not():
   sources = [rng.normal(size=(1, 2, 8)) for _ in range(3)]
   q = rng.normal(size=(8,))
   scaled = [sources[0] * 10.0] + sources[1:]
-  np.testing.assert_allclose(
-      _mix_np(scaled, q) - _mix_np(sources, q),
-      _weights_np(sources, q)[0][..., None] * (scaled[0] - sources[0]), rtol=1e-5, atol=1e-6)
   module = AttnResQuery()
-  got = module.apply({"params": {"query": jnp.asarray(q, jnp.float32)}},
-                     [jnp.asarray(s, jnp.float32) for s in scaled])
-  np.testing.assert_allclose(np.asarray(got), _mix_np(scaled, q), rtol=1e-5, atol=1e-5)
+  mix = lambda srcs: np.asarray(module.apply({"params": {"query": jnp.asarray(q, jnp.float32)}},
+                                             [jnp.asarray(s, jnp.float32) for s in srcs]), np.float64)
+  np.testing.assert_allclose(mix(scaled) - mix(sources),
+                             _weights_np(sources, q)[0][..., None] * (scaled[0] - sources[0]),
+                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(mix(scaled), _mix_np(scaled, q), rtol=1e-5, atol=1e-5)
 
 
 def _weights_np(sources, w, eps=1e-6):

@@ -100,6 +100,28 @@ def test_params_and_state_layout(setup):
   assert set(balance) == {"bias", "load_total"}
 
 
+def test_router_weight_is_float32_whatever_the_param_dtype():
+  cfg = base_config().model
+  cfg.update(small_cfg().to_dict())
+  cfg.param_dtype = "bfloat16"
+  cfg = ml_collections.FrozenConfigDict(cfg)
+  x = jnp.zeros((B, T, cfg.d_model), jnp.float32)
+  params = nn.unbox(jax.eval_shape(MoE(cfg).init, jax.random.key(0), x)["params"])
+  assert params["router"].dtype == jnp.float32
+  assert {p.dtype for k, p in params.items() if k not in ("router", "latent_norm")
+          and not k.startswith("shared")} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_routed_scaling_is_divided_out_by_the_latent_norm(setup):
+  """DESIGN §5 scales p before the RMSNorm, which removes any common factor: the output moves only
+  through the norm's eps."""
+  cfg, model, x, params, balance = setup
+  ys = [MoE(small_cfg(routed_scaling=r)).apply({"params": params, "balance": balance}, x)
+        for r in (1.0, 2.5, 100.0)]
+  for y in ys[1:]:
+    assert float(jnp.max(jnp.abs(y - ys[0])) / jnp.max(jnp.abs(ys[0]))) < 1e-3
+
+
 @pytest.mark.parametrize("grouped_matmul", ["xla", "interpret"])
 def test_matches_per_token_loop_with_gradients(setup, grouped_matmul):
   """Both grouped matmuls: jax.lax.ragged_dot and the Pallas kernels (interpret mode) used on GPU."""

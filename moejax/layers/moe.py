@@ -4,8 +4,9 @@
 
 Router: s = sigmoid(x W_r) in float32; top-k of s + b, where the bias b is routing state in the
 "balance" collection (no gradient, see moejax/balance.py); p = chosen s normalised over k, times
-`routed_scaling`. Experts are SiTU-GLUs; routed ones are stacked [expert, ...] and run as one
-grouped matmul over tokens sorted by expert (moejax/layers/dispatch.py).
+`routed_scaling` (which the RMSNorm then divides out, but for its eps). Experts are SiTU-GLUs; routed
+ones are stacked [expert, ...] and run as one grouped matmul over tokens sorted by expert
+(moejax/layers/dispatch.py).
 
 Parallelism follows the ambient mesh (`jax.set_mesh`). When its token axes (data, fsdp, expert;
 moejax/parallel/mesh.py) split the batch, the routed part runs per shard inside jax.shard_map: load
@@ -135,7 +136,9 @@ class MoE(nn.Module):
         "latent_norm": (nn.initializers.ones, (lat,), ("norm",)),
         "w_up": (default_kernel_init, (lat, d), ("latent", "embed")),
     }
-    return {name: logical_param(self, name, init, shape, axes, pdtype)
+    # DESIGN §5's router runs in float32: its weight stays float32 whatever param_dtype is, so that
+    # small updates to it are not rounded away.
+    return {name: logical_param(self, name, init, shape, axes, jnp.float32 if name == "router" else pdtype)
             for name, (init, shape, axes) in shapes.items()}
 
   @nn.compact
