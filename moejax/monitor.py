@@ -49,8 +49,10 @@ def _drop_rows_after(path: str, step: int) -> None:
         continue
     except json.JSONDecodeError:
       continue  # a line cut short by the kill
-    kept.append(line)
-  if len(kept) != len(lines):
+    # A kill between a row and its newline leaves a whole row unterminated: the next row appended
+    # would join its line.
+    kept.append(line if line.endswith("\n") else line + "\n")
+  if kept != lines:
     with open(path + ".tmp", "w") as f:
       f.writelines(kept)
     os.replace(path + ".tmp", path)
@@ -110,6 +112,12 @@ class Monitor:
       log.warning("step %d: non-finite loss or gradient; update skipped (%d in a row, %d in this run)",
                   step, int(row.get("bad_steps", 0)), self.skipped)
     self._check_maxvio(step, row)
+
+  def flush(self) -> None:
+    """Writes out every row recorded so far (metrics.jsonl and TensorBoard): called before each
+    checkpoint, as a run resumed from it never records those steps again."""
+    self.jsonl.flush()
+    self.writer.flush()
 
   def _check_maxvio(self, step: int, row: dict) -> None:
     worst = worst_maxvio(row)

@@ -182,6 +182,7 @@ def run(config, workdir: str) -> dict:
           row, pending = finish(pending), None  # a checkpoint's step is logged before it is saved
         # A state that just skipped an update is not saved: the newest checkpoint stays a good one.
         if save_due and int(state.bad_steps) == 0:
+          monitor.flush()  # the steps up to a checkpoint are never recorded again after a resume from it
           manager.save(step, state, data_it)
           save_due = False
       if pending is not None:

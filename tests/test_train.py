@@ -497,6 +497,25 @@ def test_monitor_drops_a_killed_runs_tail_on_resume(tmp_path):
   assert [r["step"] for r in read_rows(tmp_path)] == [1, 2, 3, 4, 5]
 
 
+def test_monitor_flush_and_an_unterminated_last_row(tmp_path):
+  """flush (called before each checkpoint) writes out rows between logging steps; a row the kill left
+  without its newline is kept on resume and the next row starts a line of its own."""
+  config = base_config()
+  config.train.update(progress_bar=False, log_every=10)
+  monitor = Monitor(str(tmp_path), config, total_steps=10)
+  for step in range(1, 4):
+    monitor.record(step, {"step": step, "loss": float(step)})
+  monitor.flush()
+  assert [r["step"] for r in read_rows(tmp_path)] == [1, 2, 3]
+  monitor.close()
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 4, "loss": 4.0}')  # killed before the newline
+  monitor = Monitor(str(tmp_path), config, total_steps=10, start_step=4)
+  monitor.record(5, {"step": 5, "loss": 5.0})
+  monitor.close()
+  assert [r["step"] for r in read_rows(tmp_path)] == [1, 2, 3, 4, 5]
+
+
 def test_monitor_logs_load_vectors_only_at_logging_steps(tmp_path):
   config = base_config()
   config.train.update(progress_bar=False, log_every=3)
