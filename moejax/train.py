@@ -62,8 +62,65 @@ def _pin_data(workdir: str, manifest_path: str, manifest: dict, resuming: bool) 
       raise ConfigError(f"the checkpoints in {workdir} were trained on other data ({path}: {trained_on}) "
                         f"than {manifest_path} holds now ({pin}): restore the corpus and data config, or "
                         f"start in a new workdir")
-  with open(path, "w") as f:
-    json.dump(pin, f)
+  _write_json(path, pin)
+
+
+def _write_json(path: str, value) -> None:
+  """Written whole or not at all: a kill mid-write leaves the old file."""
+  with open(path + ".tmp", "w") as f:
+    json.dump(value, f)
+  os.replace(path + ".tmp", path)
+
+
+# Settings that order the data stream: a checkpoint's saved data position indexes the stream they made.
+_STREAM_FIELDS = ("data.seed", "data.shuffle_buffer", "data.valid_fraction")
+# Settings of the learning-rate schedule, which is rebuilt from the config on every start.
+_SCHEDULE_FIELDS = ("optim.lr", "optim.adam_lr", "optim.warmup_steps", "optim.final_lr_fraction")
+
+
+def _pin_run(workdir: str, config, stages, step: int | None) -> bool:
+  """Records the stages and the settings a resume must keep (workdir/run.json), checks a resume from
+  `step` (None: a fresh start) against them, and says whether the resumed step's data stream must
+  start afresh rather than from the checkpoint's saved position.
+
+  Refused, with ConfigError: other stages before the one the saved run was in at `step`, another
+  sequence length or batch for that one (its saved data position indexes that stream), or another
+  data order (`_STREAM_FIELDS`). Allowed: stages appended, the current one lengthened or shortened,
+  other schedule settings, with a warning where the learning-rate schedule changes (it is rebuilt for
+  the new total, so the rate from this step on is not the one the earlier run planned). Where the
+  step now falls in another stage than the saved run's (a stage appended after the run ended, or the
+  current one cut short), that stage's stream starts from its beginning (returns True)."""
+  path = os.path.join(workdir, "run.json")
+  get = lambda name: config[name.split(".")[0]][name.split(".")[1]]
+  pin = {"stages": [list(s) for s in stages], "total_steps": sum(s[1] for s in stages),
+         **{name: get(name) for name in _STREAM_FIELDS + _SCHEDULE_FIELDS}}
+  fresh = False
+  if step is not None and os.path.exists(path):
+    with open(path) as f:
+      before = json.load(f)
+    old_stages = [tuple(s) for s in before["stages"]]
+    i, _ = stage_at(old_stages, step)
+    kept = (len(stages) > i and old_stages[:i] == list(stages[:i])
+            and (stages[i][0], stages[i][2]) == (old_stages[i][0], old_stages[i][2]))
+    changed = [f"{name}: {before.get(name)!r} -> {pin[name]!r}" for name in _STREAM_FIELDS
+               if before.get(name) != pin[name]]
+    if not kept:
+      changed.insert(0, f"train.stages: {before['stages']} -> {pin['stages']} (step {step} is in stage "
+                        f"{i} of the saved run: the stages before it, its sequence length and its batch "
+                        f"must stay)")
+    if changed:
+      raise ConfigError(f"the checkpoints in {workdir} (step {step}) were made by a run whose data stream "
+                        f"this config changes: {'; '.join(changed)}. Restore those settings, start in a new "
+                        f"workdir, or delete {path} to resume on the new stream all the same")
+    moved = [f"{name}: {before.get(name)!r} -> {pin[name]!r}" for name in ("total_steps",) + _SCHEDULE_FIELDS
+             if before.get(name) != pin[name]]
+    if moved:
+      log.warning("resuming at step %d with another learning-rate schedule (%s): it is rebuilt for the new "
+                  "settings, so the rate from here on is not the one the earlier run planned", step,
+                  "; ".join(moved))
+    fresh = stage_at([tuple(s) for s in stages], step)[0] != i
+  _write_json(path, pin)
+  return fresh
 
 
 def evaluate(eval_step, state, config, stage, to_device=lambda batch: batch, manifest_path=None) -> dict:
@@ -109,9 +166,14 @@ def run(config, workdir: str) -> dict:
   data_it = _iterator_for_step(config, stages, 0, manifest_path)
   restored = manager.restore_latest(state, lambda s: _iterator_for_step(config, stages, s, manifest_path))
   _pin_data(workdir, manifest_path, manifest, resuming=restored is not None)
+  fresh_stream = _pin_run(workdir, config, stages, None if restored is None else int(restored[0].step))
   if restored is not None:
     state, data_it = restored
     log.info("resumed from step %d", int(state.step))
+    if fresh_stream:
+      data_it = _iterator_for_step(config, stages, int(state.step), manifest_path)
+      log.info("step %d is in stage %d, where the saved run was not at this step: its stream starts afresh",
+               int(state.step), stage_at(stages, int(state.step))[0])
 
   train_step = jit_train_step(model, optimizer, config, total_steps, shardings)
   eval_step = jit_eval_step(model, config)

@@ -613,3 +613,35 @@ def _mesh_template(config):
   state, optimizer, axes = init_state(model, config, jax.random.key(0), 6)
   mesh = make_mesh(**config.train.mesh, axis_types=(jax.sharding.AxisType.Auto,) * 4)
   return shard_state(state, axes, mesh)
+
+
+def test_resume_keeps_the_data_stream_and_warns_of_another_schedule(tmp_path, caplog):
+  """run.json: a resume may append stages, lengthen or cut the current one and change the schedule
+  (with a warning), but not change the stages already run, the current stage's shape or the data
+  order; a step that now falls in another stage than the saved run's starts that stage afresh."""
+  config, workdir = base_config(), str(tmp_path)
+  first = [(64, 10, 256), (128, 10, 256)]
+  assert train._pin_run(workdir, config, first, None) is False  # a fresh start
+  assert json.loads((tmp_path / "run.json").read_text())["stages"] == [[64, 10, 256], [128, 10, 256]]
+  assert train._pin_run(workdir, config, first, 15) is False  # killed in stage 1, resumed as it was
+  with caplog.at_level(logging.WARNING, logger="moejax.train"):
+    assert train._pin_run(workdir, config, first + [(256, 5, 512)], 15) is False  # a stage appended
+  assert "total_steps: 20 -> 25" in caplog.text
+  train._pin_run(workdir, config, first, 15)
+  # The run ended (step 20) and a stage was appended: step 20 starts it, afresh.
+  assert train._pin_run(workdir, config, first + [(256, 5, 512)], 20) is True
+  # Stage 1 cut short: step 15 now falls in stage 2.
+  cut = [(64, 10, 256), (128, 3, 256), (256, 5, 512)]
+  assert train._pin_run(workdir, config, cut, 15) is True
+  for bad in ([(64, 8, 256), (128, 5, 256), (256, 5, 512)], [(64, 10, 256), (128, 3, 512), (256, 5, 512)]):
+    with pytest.raises(ConfigError, match=r"train.stages: .*step 12 is in stage 1"):
+      train._pin_run(workdir, config, bad, 12)
+  config.data.seed = 3
+  with pytest.raises(ConfigError, match=r"data.seed: 0 -> 3.*delete"):
+    train._pin_run(workdir, config, cut, 12)
+  config.data.seed = 0
+  config.optim.lr = 1e-4
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="moejax.train"):
+    assert train._pin_run(workdir, config, cut, 12) is False
+  assert "optim.lr: 0.003 -> 0.0001" in caplog.text
