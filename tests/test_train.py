@@ -645,3 +645,21 @@ def test_resume_keeps_the_data_stream_and_warns_of_another_schedule(tmp_path, ca
   with caplog.at_level(logging.WARNING, logger="moejax.train"):
     assert train._pin_run(workdir, config, cut, 12) is False
   assert "optim.lr: 0.003 -> 0.0001" in caplog.text
+
+
+def test_a_stage_appended_after_the_end_starts_its_stream_afresh(reference, tmp_path, caplog):
+  """The finished reference run resumed with a third stage: its first batch is that stage's stream's
+  first, not the saved position of stage 1's stream."""
+  copy_checkpoints(reference["workdir"], tmp_path, [TOTAL])
+  shutil.copy(os.path.join(reference["workdir"], "run.json"), tmp_path / "run.json")
+  stages = tuple(reference["config"].train.stages) + ((128, 2, 512),)
+  config = make_config(reference["config"].data.cache_dir, **{"train.stages": stages})
+  first = next(iter(train._batch_iterator(config, stages[2], "train", config.data.seed + 2)))
+  seen = []
+  with caplog.at_level(logging.INFO, logger="moejax.train"):
+    with pytest.MonkeyPatch.context() as mp:
+      _tap_iterators(mp, lambda i, batch: seen.append(batch) or batch)
+      train.run(config, str(tmp_path))
+  np.testing.assert_array_equal(seen[0]["tokens"], first["tokens"])
+  assert "its stream starts afresh" in caplog.text and "total_steps: 28 -> 30" in caplog.text
+  assert [r["step"] for r in read_rows(tmp_path)][-2:] == [29, 30]
