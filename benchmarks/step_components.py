@@ -22,6 +22,7 @@ from moejax.layers.moe import MoE  # noqa: E402
 from moejax.loss import cross_entropy  # noqa: E402
 from moejax.model import layer_kinds  # noqa: E402
 from moejax.parallel import mesh as meshlib  # noqa: E402
+from moejax.train_step import head_matrix  # noqa: E402
 
 
 def layer_module(config, kind: str):
@@ -88,7 +89,7 @@ def component_times(config, batch, state, optimizer, mesh) -> list[tuple[str, in
   if any(f == "dense" for _, f in kinds):
     layer("dense FFN", "ffn", sum(f == "dense" for _, f in kinds))
 
-  head = state.params["embedding"].T if m.tie_embeddings else state.params["head"]
+  head = head_matrix(state.params, m)
 
   def head_loss(w, h):
     return cross_entropy(h, w, batch["targets"], batch["loss_mask"], z_loss_weight=m.loss.z_loss_weight,

@@ -44,7 +44,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.dtype = "float32"  # activation / matmul dtype
   m.param_dtype = "float32"
   m.norm_eps = 1e-6
-  m.tie_embeddings = False
+  m.tie_embeddings = False  # the head is then the embedding's transpose over sqrt(d_model) (model.tied_head)
   # "none" | "dots" | "full": rematerialise nothing, all but the matmul outputs, or the whole of each
   # layer in the backward pass
   m.remat = "none"

@@ -181,6 +181,13 @@ class LayerPeriod(nn.Module):
     return state, None
 
 
+def tied_head(embedding_VD):
+  """The [D, V] head of tied embeddings: the embedding's transpose over sqrt(D). The embedding is
+  drawn with std 1 and the final hidden state is RMS-normalised, so unscaled the initial logits would
+  have std sqrt(D) (an initial loss far above log V); scaled, about 1, as the untied head's."""
+  return embedding_VD.T * (embedding_VD.shape[1] ** -0.5)
+
+
 class Transformer(nn.Module):
   """`__call__` returns the final normalised hidden states [B,T,D]; `logits` maps them to the vocab.
 
@@ -243,8 +250,8 @@ class Transformer(nn.Module):
     return carry.unstacked(num_blocks)
 
   def head_matrix(self):
-    """[D, V] output projection (the embedding's transpose when tied)."""
-    return self.embedding.T if self.cfg.tie_embeddings else self.head
+    """[D, V] output projection: `tied_head` of the embedding when tied."""
+    return tied_head(self.embedding) if self.cfg.tie_embeddings else self.head
 
   def logits(self, h_BTD):
     w_DV = self.head_matrix().astype(h_BTD.dtype)

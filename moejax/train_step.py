@@ -19,7 +19,7 @@ from moejax import metrics as metrics_lib
 from moejax import optim as optim_lib
 from moejax.config import passes_per_step
 from moejax.loss import cross_entropy
-from moejax.model import Transformer, init_variables, per_layer
+from moejax.model import Transformer, init_variables, per_layer, tied_head
 from moejax.optim import dict_to_cfg, learning_rate_schedule, make_optimizer, qk_clip
 from moejax.parallel import mesh as meshlib
 from pallas_kernels.segments import document_ids
@@ -47,7 +47,7 @@ def is_logical_axes(x) -> bool:
 
 
 def head_matrix(params, cfg_model):
-  return params["embedding"].T if cfg_model.tie_embeddings else params["head"]
+  return tied_head(params["embedding"]) if cfg_model.tie_embeddings else params["head"]
 
 
 def init_state(model: Transformer, config, rng: jax.Array, total_steps: int):

@@ -191,3 +191,26 @@ def test_gpu_kernels_in_interpret_mode_match_the_xla_model():
                             strict=True):
     err = float(jnp.linalg.norm(g - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
     assert err < 1e-4, (jax.tree_util.keystr(path), err)
+
+
+def test_tied_embeddings_head_is_the_scaled_embedding():
+  """Tied: no head parameter, the logits are h E^T / sqrt(D) (the model's and the train step's head
+  agree), and the initial loss is near log V as untied, not sqrt(D)-sized logits' far above it."""
+  from moejax.loss import cross_entropy
+  from moejax.train_step import head_matrix
+
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 300, (2, 24)), jnp.int32)
+  losses = {}
+  for tied in (False, True):
+    config = _small_config(tie_embeddings=tied, d_model=64)
+    model, variables = _init(config)
+    assert ("head" in variables["params"]) is not tied
+    h = _apply(model, variables, tokens)
+    params = nn.unbox(variables["params"])
+    w_DV = head_matrix(params, config.model)
+    if tied:
+      np.testing.assert_allclose(w_DV, params["embedding"].T / 8.0, rtol=1e-6)
+    logits = model.apply(variables, h, method=model.logits)
+    np.testing.assert_allclose(logits, jnp.dot(h, w_DV), rtol=1e-4, atol=1e-4)
+    losses[tied], _ = cross_entropy(h, w_DV, jnp.roll(tokens, -1, axis=1))
+  assert abs(float(losses[True]) - np.log(300)) < 1.0 and abs(float(losses[False]) - np.log(300)) < 1.0
