@@ -46,9 +46,12 @@ def flattens(x) -> bool:
 def global_norm(tree) -> jax.Array:
   """The 2-norm over every leaf (optax.tree.norm, up to rounding), summed in float32 (or a leaf's
   wider type), with the leaves that `flattens` reduced as one concatenation."""
-  leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
-  small = [x.astype(jnp.float32).reshape(-1) for x in leaves if flattens(x)]
-  large = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in leaves if not flattens(x)]
+  small, large = [], []
+  for x in map(jnp.asarray, jax.tree.leaves(tree)):
+    if flattens(x):
+      small.append(x.astype(jnp.float32).reshape(-1))
+    else:
+      large.append(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
   if len(small) > 1:
     large.append(jnp.concatenate(small))
   else:

@@ -118,7 +118,7 @@ def _pin_run(workdir: str, config, stages, step: int | None) -> bool:
       log.warning("resuming at step %d with another learning-rate schedule (%s): it is rebuilt for the new "
                   "settings, so the rate from here on is not the one the earlier run planned", step,
                   "; ".join(moved))
-    fresh = stage_at([tuple(s) for s in stages], step)[0] != i
+    fresh = stage_at(stages, step)[0] != i
   _write_json(path, pin)
   return fresh
 

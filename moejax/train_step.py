@@ -141,14 +141,14 @@ def _combine_passes(stats_P, documents_P):
 
 class _AccumulatorLayout:
   """How `accumulated` sums the passes' gradients: in float32 (or the parameter's wider type), and
-  with `flat`, the gradients of the parameters that `optim.flattens` (small and unsplit) as one flat
-  float32 vector: a few kernels a pass for all of them, not one per parameter.
+  the gradients of the parameters that `optim.flattens` (small and unsplit) as one flat float32
+  vector: a few kernels a pass for all of them, not one per parameter.
   """
 
-  def __init__(self, params, flat: bool = True):
+  def __init__(self, params):
     leaves, self.treedef = jax.tree.flatten(params)
     self.shapes = [(p.shape, p.dtype) for p in leaves]
-    self.small = [flat and optim_lib.flattens(p) for p in leaves]
+    self.small = [optim_lib.flattens(p) for p in leaves]
     self.flat_size = sum(p.size for p, s in zip(leaves, self.small, strict=True) if s)
 
   def zeros(self):

@@ -126,9 +126,11 @@ def test_accumulator_layout_sums_small_and_large_gradients(monkeypatch):
   params = {"b": np.zeros((2, 3), np.float32), "a": {"w": np.zeros((4, 5), np.float32),
                                                       "s": np.zeros((3,), jnp.bfloat16)},
             "c": np.zeros((), np.float32)}
-  layout = _AccumulatorLayout(params, flat=True)
+  layout = _AccumulatorLayout(params)
   assert layout.small == [True, False, True, True]  # leaves in key order: a/s, a/w, b, c
-  assert _AccumulatorLayout(params, flat=False).small == [False] * 4
+  with pytest.MonkeyPatch.context() as mp:  # a mesh that splits parameters: each on its own
+    mp.setattr(optim_lib, "splits_params", lambda mesh: True)
+    assert _AccumulatorLayout(params).small == [False] * 4
   grads = [jax.tree.map(lambda p: rng.normal(size=p.shape).astype(p.dtype), params) for _ in range(3)]
   acc = layout.zeros()
   for g in grads:
