@@ -222,3 +222,33 @@ def remat_pieces(fn, pieces: int, *xs_M) -> list:
     raise ValueError(f"{pieces} pieces need leading axes that they divide, got {[x.shape for x in xs_M]}")
   size, one = m // pieces, jax.checkpoint(fn)
   return [one(*(jax.lax.slice_in_dim(x, i * size, (i + 1) * size) for x in xs_M)) for i in range(pieces)]
+
+
+# The collection of gradient accumulators (train_step.accumulated): for a parameter that a module
+# can accumulate in place, an array of its shape and dtype at the parameter's path.
+GRAD_ACC = "grad_acc"
+
+
+def add_to_gradient(w, acc):
+  """w, whose cotangent comes back as acc + its own: gradient accumulation over passes for a weight
+  used anywhere, any number of times. acc must have w's shape and dtype; its cotangent is zero."""
+  if acc.shape != w.shape or acc.dtype != w.dtype:
+    raise ValueError(f"a gradient accumulator must have its weight's shape and dtype "
+                     f"{w.dtype}{list(w.shape)}, got {acc.dtype}{list(acc.shape)}")
+  return _add_to_gradient(w, acc)
+
+
+@jax.custom_vjp
+def _add_to_gradient(w, acc):
+  return w
+
+
+def _add_to_gradient_fwd(w, acc):
+  return w, acc
+
+
+def _add_to_gradient_bwd(acc, dw):
+  return acc + dw, None
+
+
+_add_to_gradient.defvjp(_add_to_gradient_fwd, _add_to_gradient_bwd)

@@ -18,8 +18,10 @@ from moejax import balance as balance_lib
 from moejax import metrics as metrics_lib
 from moejax import optim as optim_lib
 from moejax.config import passes_per_step
+from moejax.layers.moe import EXPERT_WEIGHTS
 from moejax.loss import cross_entropy
 from moejax.model import Transformer, init_variables, per_layer, tied_head
+from moejax.nn import GRAD_ACC
 from moejax.optim import dict_to_cfg, learning_rate_schedule, make_optimizer, qk_clip
 from moejax.parallel import mesh as meshlib
 from pallas_kernels.segments import document_ids
@@ -143,13 +145,37 @@ class _AccumulatorLayout:
   """How `accumulated` sums the passes' gradients: in float32 (or the parameter's wider type), and
   the gradients of the parameters that `optim.flattens` (small and unsplit) as one flat float32
   vector: a few kernels a pass for all of them, not one per parameter.
+
+  The routed experts' float32 weights (moe.EXPERT_WEIGHTS, most of the parameters) are accumulated
+  by the model itself: their accumulators go in as the collection nn.GRAD_ACC and their gradients come
+  back with the accumulator already added, by the grouped matmul's drhs kernel in place. That saves
+  writing each pass's gradient and reading it back for a separate add.
   """
 
   def __init__(self, params):
-    leaves, self.treedef = jax.tree.flatten(params)
+    paths_and_leaves, self.treedef = jax.tree_util.tree_flatten_with_path(params)
+    leaves = [p for _, p in paths_and_leaves]
     self.shapes = [(p.shape, p.dtype) for p in leaves]
     self.small = [optim_lib.flattens(p) for p in leaves]
     self.flat_size = sum(p.size for p, s in zip(leaves, self.small, strict=True) if s)
+    keys = [tuple(k.key for k in path) for path, _ in paths_and_leaves]
+    # Paths into the collection for the leaves the model accumulates, None for the others.
+    self.in_model = [key if not s and p.dtype == jnp.float32 and key[-1] in EXPERT_WEIGHTS else None
+                     for key, p, s in zip(keys, leaves, self.small, strict=True)]
+
+  def collection(self, acc):
+    """The nn.GRAD_ACC collection: the model-accumulated leaves' accumulators at their params' paths."""
+    out = {}
+    for key, a in zip(self._large(self.in_model), acc[0], strict=True):
+      if key is not None:
+        node = out
+        for k in key[:-1]:
+          node = node.setdefault(k, {})
+        node[key[-1]] = a
+    return out
+
+  def _large(self, per_leaf):
+    return [x for x, s in zip(per_leaf, self.small, strict=True) if not s]
 
   def zeros(self):
     """(one zero accumulator per large gradient, the flat zero vector of the small ones)."""
@@ -162,7 +188,9 @@ class _AccumulatorLayout:
     leaves = self.treedef.flatten_up_to(grads)
     large_g = [g for g, s in zip(leaves, self.small, strict=True) if not s]
     small_g = [g.astype(jnp.float32).reshape(-1) for g, s in zip(leaves, self.small, strict=True) if s]
-    large = [a + g.astype(a.dtype) for a, g in zip(large, large_g, strict=True)]
+    # A model-accumulated gradient already holds the accumulator.
+    large = [g if key is not None else a + g.astype(a.dtype)
+             for a, g, key in zip(large, large_g, self._large(self.in_model), strict=True)]
     if small_g:
       flat = flat + jnp.concatenate(small_g)
     return large, flat
@@ -198,10 +226,13 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
   # Max attention logits cost an extra QK^T pass, so they are collected only when QK-clip uses them.
   mutable = ["router", "attn_stats"] if config.optim.qk_clip_tau > 0 else ["router"]
 
-  def loss_fn(params, balance_vars, batch, ce_weight=1.0, aux_weight=1.0):
-    """ce_weight * cross-entropy + aux_weight * the MoE aux losses, for one pass over `batch`."""
-    h_BTD, stats = model.apply({"params": params, "balance": balance_vars}, batch["tokens"],
-                               batch["segment_ids"], mutable=mutable)
+  def loss_fn(params, balance_vars, batch, ce_weight=1.0, aux_weight=1.0, grad_acc=None):
+    """ce_weight * cross-entropy + aux_weight * the MoE aux losses, for one pass over `batch`.
+    grad_acc: the nn.GRAD_ACC collection (gradient accumulators the model adds in), or None."""
+    variables = {"params": params, "balance": balance_vars}
+    if grad_acc:
+      variables[GRAD_ACC] = grad_acc
+    h_BTD, stats = model.apply(variables, batch["tokens"], batch["segment_ids"], mutable=mutable)
     with jax.named_scope("lm_head_loss"):
       loss, metrics = cross_entropy(h_BTD, head_matrix(params, cfg), batch["targets"], batch["loss_mask"],
                                     z_loss_weight=cfg.loss.z_loss_weight, chunk=cfg.loss.chunk_tokens)
@@ -241,7 +272,8 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
       # `total`: weighted so, fractional masks with sums below 1 come out right too.
       ce_weight = jnp.maximum(jnp.sum(rows["loss_mask"].astype(jnp.float32)), 1.0) / total
       aux_weight = documents(rows["segment_ids"]) / total_documents
-      (loss, (metrics, stats)), grads = grad_fn(params, balance, rows, ce_weight, aux_weight)
+      (loss, (metrics, stats)), grads = grad_fn(params, balance, rows, ce_weight, aux_weight,
+                                                layout.collection(acc))
       with jax.named_scope("accumulate"):
         acc = layout.add(acc, grads)
       balance = balance_lib.next_balance_state(cfg.moe.balance, balance, stats.get("router", {}), cfg.moe)

@@ -121,6 +121,54 @@ def test_bf16_inputs_float32_accumulation():
   assert_close([y16], [y_ref], rtol=1e-2)
 
 
+def fwd_and_grads_accumulating(impl, tiling=None):
+  """(y, dlhs, drhs, d accumulator) of gmm with a gradient accumulator; lhs bf16, rhs float32."""
+  def f(x, w, acc, gs, dy):
+    y, vjp = jax.vjp(lambda a, b, c: gmm(a, b, gs, preferred_element_type=jnp.float32, tiling=tiling,
+                                         implementation=impl, rhs_grad_acc=c), x, w, acc)
+    return (y, *vjp(dy.astype(y.dtype)))
+  return f
+
+
+_acc_fgs = {impl: jax.jit(fwd_and_grads_accumulating(impl, TILE16)) for impl in ("interpret", "xla")}
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=G, max_size=G), st.integers(0, 2**31 - 1))
+@example([0, 0, 0, 0, 0], 0)        # nothing routed: drhs is the accumulator as it was
+@example([50, 0, 60, 7, 7], 1)      # sum > M: groups cut at row M; empty groups keep their accumulator
+@example([3, 16, 0, 1, 9], 2)       # sum < M
+def test_gradient_accumulator(sizes, seed):
+  """rhs float32 with bf16 lhs: the products use rhs rounded to bf16, drhs is accumulator + the float64
+  gradient of the rounded operands (not rounded to bf16 before the sum), the accumulator's cotangent
+  is zero; the Pallas kernels (interpret) and the XLA form alike."""
+  x, w, dy = make_inputs(seed % 1000, M, K, N, G)
+  x16, w16, dy16 = (a.astype(jnp.bfloat16) for a in (x, w, dy))
+  acc = jnp.asarray(np.random.default_rng(seed % 1000 + 1).normal(size=W.shape), jnp.float32)
+  gs = jnp.asarray(sizes, jnp.int32)
+  y_ref, dx_ref, dw_ref = numpy_gmm(x16, w16, sizes, dy16)
+  for impl, f in _acc_fgs.items():
+    y, dx, dw, dacc = f(x16, w, acc, gs, dy)
+    assert y.dtype == dw.dtype == jnp.float32 and dx.dtype == jnp.bfloat16, impl
+    assert_close([y, dw], [y_ref, np.asarray(acc, np.float64) + dw_ref], rtol=1e-5)
+    assert_close([dx], [dx_ref], rtol=1e-2)
+    np.testing.assert_array_equal(dacc, np.zeros_like(acc))
+
+
+def test_gradient_accumulator_sums_passes():
+  """Three passes, each feeding the last pass's drhs back as the accumulator: the sum of the passes'
+  gradients, as accumulation over microbatches uses it; interpret mode against the XLA form."""
+  f = _acc_fgs["interpret"]
+  acc = jnp.zeros(W.shape, jnp.float32)
+  expected = np.zeros(W.shape)
+  for p, sizes in enumerate(([10, 20, 0, 30, 10], [0, 70, 0, 0, 0], [5, 5, 5, 5, 5])):
+    x, _, dy = make_inputs(10 + p, M, K, N, G)
+    x16 = x.astype(jnp.bfloat16)
+    _, _, acc, _ = f(x16, W, acc, jnp.asarray(sizes, jnp.int32), dy)
+    expected += numpy_gmm(x16, W.astype(jnp.bfloat16), sizes, dy.astype(jnp.bfloat16))[2]
+  assert_close([acc], [expected], rtol=1e-5)
+
+
 _visits = jax.jit(row_tile_visits, static_argnums=(1, 2))
 
 
@@ -163,6 +211,28 @@ def test_lowers_to_triton_for_h200(dtype, shape):
   assert text.count("xla.gpu.triton") == 3
 
 
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("shape", [(1000, 256, 192, 8), (1024, 256, 256, 4)])  # partial, whole tiles
+def test_accumulating_drhs_lowers_in_place_for_h200(shape):
+  """With a gradient accumulator the drhs kernel lowers to Triton for an H200 and writes over the
+  accumulator's buffer (an output-operand alias), so the sum needs no buffer of its own."""
+  from pallas_kernels.gmm.ops import _gmm_acc
+  from pallas_kernels.gmm.tiling import DEFAULT_TILING
+  m, k, n, g = shape
+  args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((g, k, n), jnp.float32),
+          jax.ShapeDtypeStruct((g, k, n), jnp.float32), jax.ShapeDtypeStruct((g,), jnp.int32))
+
+  def f(x, w, acc, gs):
+    y, vjp = jax.vjp(lambda a, b: _gmm_acc(a, b, gs, acc, jnp.bfloat16, DEFAULT_TILING, "pallas"), x, w)
+    return vjp(y)
+
+  h200 = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 3
+  assert text.count("output_operand_aliases") == 1
+
+
 def test_default_implementation_off_gpu_is_xla():
   x, w, _ = make_inputs(3, 8, 16, 16, 2)
   gs = jnp.asarray([3, 4], jnp.int32)
@@ -182,6 +252,9 @@ def test_default_implementation_off_gpu_is_xla():
     ((X, W, jnp.ones(G, jnp.int32)), {"implementation": "triton"}, "unknown gmm implementation"),
     ((X, W, jnp.ones(G, jnp.int32)), {"implementation": "pallas"}, "needs a GPU"),
     ((X, W, jnp.ones(G, jnp.int32)), {"tiling": (16, 16, 16)}, "tiling must be"),
+    ((X, W, jnp.ones(G, jnp.int32)), {"rhs_grad_acc": W[:, :8]}, "rhs_grad_acc must have"),
+    ((X.astype(jnp.bfloat16), W, jnp.ones(G, jnp.int32)), {"rhs_grad_acc": W.astype(jnp.bfloat16)},
+     "rhs_grad_acc must have"),
 ])
 def test_bad_inputs_raise(args, kwargs, match):
   with pytest.raises(ValueError, match=match):

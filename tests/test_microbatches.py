@@ -19,6 +19,7 @@ from moejax import optim as optim_lib
 from moejax import train_step
 from moejax.balance import next_balance_state
 from moejax.config import base_config, validate
+from moejax.layers.moe import EXPERT_WEIGHTS
 from moejax.model import build_model, init_variables
 from moejax.train_step import TrainState, _AccumulatorLayout, make_train_step
 
@@ -26,7 +27,7 @@ ROWS, SEQ = 4, 32
 
 
 def small_config(balance: str, microbatch_tokens: int, qk_clip_tau: float = 0.0, rows: int = ROWS,
-                 mesh: dict | None = None):
+                 mesh: dict | None = None, moe_token_chunk: int = 0):
   c = base_config()
   c.data.vocab_size = 300
   m = c.model
@@ -39,6 +40,7 @@ def small_config(balance: str, microbatch_tokens: int, qk_clip_tau: float = 0.0,
   m.moe.num_experts, m.moe.top_k, m.moe.shared_hidden_dim = 4, 2, 32
   m.moe.latent_dim, m.moe.expert_hidden_dim = 16, 16
   m.moe.balance = balance
+  m.moe.token_chunk = moe_token_chunk
   m.moe.aux_loss_weight = 0.1  # large enough to matter under "aux"
   c.optim.qk_clip_tau = qk_clip_tau
   c.train.stages = ((SEQ, 10, rows * SEQ),)
@@ -87,18 +89,22 @@ def gradient_step(config):
   return jax.jit(make_train_step(model, optimizer, config, 10)), state, model
 
 
-# All of this model's gradients are small enough for the flat accumulator; a threshold of 1024
-# elements sends the embedding, the experts and the wider projections to their own accumulators.
-# mask_scale 0.01: fractional loss masks whose sum in a pass is below 1, which the cross-entropy
-# divides by 1 rather than by the sum.
-@pytest.mark.parametrize("balance, small_gradient, mask_scale", [("none", 1024, 1.0), ("aux", None, 0.01)])
-def test_passes_give_the_one_pass_step(balance, small_gradient, mask_scale, monkeypatch, layouts):
+# All of this model's gradients are small enough for the flat accumulator; a threshold of 512
+# elements sends the embedding, the experts (1024 each) and the wider projections to their own
+# accumulators, and the experts' to the model (the grouped matmuls' drhs kernels add them; with MoE
+# token chunks of 32, two per pass, nn.add_to_gradient). mask_scale 0.01: fractional loss masks whose
+# sum in a pass is below 1, which the cross-entropy divides by 1 rather than by the sum.
+@pytest.mark.parametrize("balance, small_gradient, mask_scale, moe_token_chunk",
+                         [("none", 512, 1.0, 0), ("aux", None, 0.01, 0), ("none", 512, 1.0, 32)])
+def test_passes_give_the_one_pass_step(balance, small_gradient, mask_scale, moe_token_chunk, monkeypatch,
+                                       layouts):
   """Without a bias that moves between passes, two passes of two rows give the one-pass step's
   gradients, loss, token counts and loads; QK-clip (on for every head) takes the max logit over both."""
   if small_gradient is not None:
     monkeypatch.setattr(optim_lib, "SMALL_LEAF", small_gradient)
   ref_step, state, _ = gradient_step(small_config(balance, 0, qk_clip_tau=0.01))
-  acc_step, _, _ = gradient_step(small_config(balance, 2 * SEQ, qk_clip_tau=0.01))
+  acc_step, _, _ = gradient_step(small_config(balance, 2 * SEQ, qk_clip_tau=0.01,
+                                              moe_token_chunk=moe_token_chunk))
   batch = batch_of()
   batch["loss_mask"] = batch["loss_mask"] * np.float32(mask_scale)
   assert mask_scale == 1.0 or 0 < batch["loss_mask"][0::2].sum() < 1  # pass 0: rows 0 and 2
@@ -106,6 +112,8 @@ def test_passes_give_the_one_pass_step(balance, small_gradient, mask_scale, monk
   got, got_m = acc_step(state, batch)
   (layout,) = layouts
   assert any(layout.small) and (small_gradient is None) == all(layout.small)
+  in_model = sorted(key[-1] for key in layout.in_model if key is not None)
+  assert in_model == ([] if small_gradient is None else sorted(EXPERT_WEIGHTS * 2)), in_model  # 2 layers
   # The sequence-wise aux loss is a mean over a pass's documents, weighted by the pass's share of them.
   chex.assert_trees_all_close(got.params, want.params, rtol=2e-5, atol=2e-6)
   for name in ("loss", "nll", "z_loss", "tokens", "aux_loss", "grad_norm"):
@@ -116,6 +124,35 @@ def test_passes_give_the_one_pass_step(balance, small_gradient, mask_scale, monk
   loads = {k: v for k, v in want_m.items() if k.endswith("/load")}
   assert loads
   chex.assert_trees_all_close({k: got_m[k] for k in loads}, loads, rtol=1e-6)
+
+
+def test_passes_with_scanned_layers_accumulate_stacked_experts(monkeypatch, layouts):
+  """Scanned layers: the stacked experts' accumulators go into the scan with their params' leading
+  layers axis, each period's MoE adds its own slice; two passes give the one-pass step."""
+  monkeypatch.setattr(optim_lib, "SMALL_LEAF", 512)
+  configs = []
+  for tokens in (0, 2 * SEQ):
+    c = small_config("none", tokens).unlock()
+    c.model.update(num_layers=6, scan_layers=True)
+    configs.append(validate(c))
+  ref_step, state, _ = gradient_step(configs[0])
+  acc_step, _, _ = gradient_step(configs[1])
+  batch = batch_of(3)
+  want, want_m = ref_step(state, batch)
+  got, got_m = acc_step(state, batch)
+  (layout,) = layouts
+  stacked = [shape for (shape, _), key in zip(layout.shapes, layout.in_model, strict=True)
+             if key is not None and len(shape) == 4]
+  assert stacked, layout.in_model  # [layers, experts, in, out]
+  # Against each leaf's update (the gradient here): XLA orders the scanned sums otherwise than the
+  # one-pass step's, which moved the worst leaf by 8e-5 of its largest update (the same with every
+  # gradient in the flat accumulator); a pass's gradient lost or added twice moves it by O(1).
+  def check(path, new, ref, old):
+    err = np.max(np.abs(np.asarray(new) - ref)) / np.max(np.abs(np.asarray(ref) - old))
+    assert err < 1e-3, (jax.tree_util.keystr(path), err)
+
+  jax.tree_util.tree_map_with_path(check, got.params, want.params, state.params)
+  np.testing.assert_allclose(got_m["grad_norm"], want_m["grad_norm"], rtol=1e-5)
 
 
 def test_accumulator_layout_sums_small_and_large_gradients(monkeypatch):
@@ -207,6 +244,8 @@ def test_passes_on_a_mesh_match_one_device(mesh_axes, layouts):
     got, got_m = mesh_step(state, jax.device_put(batch, meshlib.batch_sharding(mesh)))
   (layout,) = layouts
   assert all(layout.small) == ("expert" not in mesh_axes) and any(layout.small) == all(layout.small)
+  # Split experts are accumulated by the model outside its shard_map (nn.add_to_gradient).
+  assert any(key is not None for key in layout.in_model) == ("expert" in mesh_axes)
   chex.assert_trees_all_close(jax.device_get(got.params), want.params, rtol=2e-5, atol=2e-6)
   for name in ("loss", "nll", "tokens", "grad_norm", "moe/dropped"):
     np.testing.assert_allclose(got_m[name], want_m[name], rtol=1e-5, err_msg=name)

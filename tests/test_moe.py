@@ -10,8 +10,9 @@ import pytest
 
 from moejax.balance import quantile_bias
 from moejax.config import base_config
-from moejax.layers.moe import MoE
+from moejax.layers.moe import EXPERT_WEIGHTS, MoE
 from moejax.layers.router import router_scores
+from moejax.nn import GRAD_ACC
 from pallas_kernels.segments import document_ids
 
 B, T = 2, 8
@@ -144,6 +145,39 @@ def test_matches_per_token_loop_with_gradients(setup, grouped_matmul):
   ref_grads = jax.jit(jax.grad(ref_loss, argnums=(0, 1)))(params, x)
   chex.assert_trees_all_close(grads, ref_grads, atol=1e-5, rtol=1e-4)
   assert float(jnp.abs(grads[0]["router"]).max()) > 0  # the router learns through the weights
+
+
+@pytest.mark.parametrize("grouped_matmul, token_chunk", [("xla", 0), ("interpret", 0), ("xla", 8)])
+def test_gradient_accumulators_come_back_added(setup, grouped_matmul, token_chunk):
+  """With the experts' accumulators in the GRAD_ACC collection the output is unchanged and each expert
+  weight's gradient is accumulator + its gradient without them, added once: in the drhs kernels, or
+  with token chunks (two here) once over the chunks' summed cotangents; the other gradients are
+  untouched."""
+  cfg, _, x, params, balance = setup
+  model = MoE(small_cfg(grouped_matmul=grouped_matmul, token_chunk=token_chunk))
+  cot = normal(3, x.shape)
+  accs = {name: normal(10 + i, params[name].shape) for i, name in enumerate(EXPERT_WEIGHTS)}
+
+  def loss(p, extra):
+    return jnp.sum(model.apply({"params": p, "balance": balance, **extra}, x) * cot)
+
+  plain = jax.jit(jax.value_and_grad(loss))(params, {})
+  added = jax.jit(jax.value_and_grad(loss))(params, {GRAD_ACC: accs})
+  np.testing.assert_allclose(added[0], plain[0], rtol=1e-6)
+  want = {**plain[1], **{name: plain[1][name] + accs[name] for name in EXPERT_WEIGHTS}}
+  chex.assert_trees_all_close(added[1], want, atol=1e-5, rtol=1e-5)
+
+
+def test_gradient_accumulators_must_match_the_experts(setup):
+  cfg, model, x, params, balance = setup
+  variables = {"params": params, "balance": balance}
+  accs = {name: jnp.zeros_like(params[name]) for name in EXPERT_WEIGHTS}
+  with pytest.raises(ValueError, match="exactly"):
+    model.apply({**variables, GRAD_ACC: {"expert_gate": accs["expert_gate"]}}, x)
+  with pytest.raises(ValueError, match="must be float32"):
+    model.apply({**variables, GRAD_ACC: {**accs, "expert_up": accs["expert_up"][:, :2]}}, x)
+  with pytest.raises(ValueError, match="must be float32"):
+    model.apply({**variables, GRAD_ACC: {**accs, "expert_up": accs["expert_up"].astype(jnp.bfloat16)}}, x)
 
 
 def test_sown_stats_and_bias_has_no_gradient(setup):

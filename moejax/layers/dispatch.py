@@ -16,8 +16,12 @@ from pallas_kernels.gmm import gmm
 
 
 def grouped_situ_glu(x_RL, group_sizes_G, w_gate_GLF, w_up_GLF, w_down_GFL, b1: float, b2: float,
-                     implementation: str = "auto"):
+                     implementation: str = "auto", grad_accs=None):
   """Row r, in group g, gets W_d[g] situ_glu(W_g[g] x_r, W_u[g] x_r). Returns [R, L] in x's dtype.
+
+  grad_accs: None, or gradient accumulators of (W_g, W_u, W_d), each of its weight's shape and dtype.
+  Then each weight's cotangent comes back as its accumulator plus its own, summed inside the drhs
+  kernel (`gmm`'s rhs_grad_acc): each weight must feed only this call.
 
   Gate and up are two grouped matmuls. One over [W_g | W_u] measured 2% faster alone (BENCHMARKS.md,
   "Grouped matmul"), but in the H200 step slicing its [R, 2F] output in two and concatenating the two
@@ -30,9 +34,15 @@ def grouped_situ_glu(x_RL, group_sizes_G, w_gate_GLF, w_up_GLF, w_down_GFL, b1: 
   dtype = x_RL.dtype
   gs = group_sizes_G.astype(jnp.int32)
   impl = None if implementation == "auto" else implementation
-  rdot = lambda a, w: gmm(a, w.astype(dtype), gs, preferred_element_type=dtype, implementation=impl)
-  h_RF = situ_glu(rdot(x_RL, w_gate_GLF), rdot(x_RL, w_up_GLF), b1, b2)
-  return rdot(h_RF, w_down_GFL)
+  if grad_accs is None:
+    rdot = lambda a, w, _: gmm(a, w.astype(dtype), gs, preferred_element_type=dtype, implementation=impl)
+    grad_accs = (None,) * 3
+  else:
+    rdot = lambda a, w, acc: gmm(a, w, gs, preferred_element_type=dtype, implementation=impl,
+                                 rhs_grad_acc=acc)
+  acc_gate, acc_up, acc_down = grad_accs
+  h_RF = situ_glu(rdot(x_RL, w_gate_GLF, acc_gate), rdot(x_RL, w_up_GLF, acc_up), b1, b2)
+  return rdot(h_RF, w_down_GFL, acc_down)
 
 
 def sort_by_expert(idx_MK, num_experts: int):
@@ -99,13 +109,15 @@ def combine(y_sorted_RL, order_R, inverse_R, p_MK):
 
 
 def dropless_moe(x_ML, idx_MK, p_MK, w_gate_ELF, w_up_ELF, w_down_EFL, b1: float, b2: float,
-                 implementation: str = "auto"):
-  """sum_k p_mk E_{idx_mk}(x_m) for every token, with every expert on this device. float32 [M, L]."""
+                 implementation: str = "auto", grad_accs=None):
+  """sum_k p_mk E_{idx_mk}(x_m) for every token, with every expert on this device. float32 [M, L].
+  grad_accs: as `grouped_situ_glu`'s."""
   k = idx_MK.shape[1]
   with jax.named_scope("sort_gather"):
     order_R, inverse_R, sizes_E = sort_by_expert(idx_MK, w_gate_ELF.shape[0])
     x_RL = gather_pairs(x_ML, order_R, inverse_R, k)
   with jax.named_scope("grouped_glu"):
-    y_RL = grouped_situ_glu(x_RL, sizes_E, w_gate_ELF, w_up_ELF, w_down_EFL, b1, b2, implementation)
+    y_RL = grouped_situ_glu(x_RL, sizes_E, w_gate_ELF, w_up_ELF, w_down_EFL, b1, b2, implementation,
+                            grad_accs)
   with jax.named_scope("combine"):
     return combine(y_RL, order_R, inverse_R, p_MK)

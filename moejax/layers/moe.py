@@ -22,6 +22,12 @@ Sown into the collection "router" (each a plain array, overwritten per call), wh
   bias_next  [n] float32   balance="quantile": the bias computed from this batch, for the next one;
   aux_loss   []  float32   balance="aux": the sequence-wise loss times aux_loss_weight (add it to the
                            training loss; it carries the router gradient).
+
+Gradient accumulation: with float32 accumulators of the routed experts' weights in the collection
+`moejax.nn.GRAD_ACC` (the names of EXPERT_WEIGHTS), each weight's gradient comes back as its
+accumulator plus this pass's. Without a shard_map and with one token chunk, the grouped matmuls' drhs
+kernels add it in place (`gmm`'s rhs_grad_acc); otherwise it is added to the whole weight's cotangent
+(`moejax.nn.add_to_gradient`).
 """
 
 import functools
@@ -36,19 +42,28 @@ from moejax.balance import quantile_bias
 from moejax.layers.dispatch import dropless_moe
 from moejax.layers.ffn import SiTUGLU
 from moejax.layers.router import expert_load, router_scores, select_experts, sequence_aux_loss_terms
-from moejax.nn import default_kernel_init, logical_param, matmul, remat_pieces, rms_norm
+from moejax.nn import (
+  GRAD_ACC,
+  add_to_gradient,
+  default_kernel_init,
+  logical_param,
+  matmul,
+  remat_pieces,
+  rms_norm,
+)
 from moejax.parallel import mesh as meshlib
 from moejax.parallel.expert import default_exchange, expert_parallel
 
 # Stacked expert weights [expert, in, out]: fan-in is `in` alone, not expert * in.
 expert_kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", batch_axis=(0,))
 
-_EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
+EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
 
 
 def _routed(w, x_BTD, segment_ids_BT, bias_E, *, cfg, stats_wanted: bool, axes: tuple[str, ...],
-            exchange: str | None):
-  """Routed half of the layer on one shard of tokens (or all of them). Returns (y_BTD, stats)."""
+            exchange: str | None, grad_accs=None):
+  """Routed half of the layer on one shard of tokens (or all of them). Returns (y_BTD, stats).
+  grad_accs: None, or the experts' gradient accumulators (outside any shard_map only)."""
   e, dtype = cfg.moe, jnp.dtype(cfg.dtype)
   b, t, d = x_BTD.shape
   n, k = e.num_experts, e.top_k
@@ -63,12 +78,16 @@ def _routed(w, x_BTD, segment_ids_BT, bias_E, *, cfg, stats_wanted: bool, axes: 
 
   with jax.named_scope("latent_down"):
     h_ML = matmul("md,dl->ml", x_MD, w["w_down"], dtype)
-  experts = [w[name] for name in _EXPERT_WEIGHTS]
+  experts = [w[name] for name in EXPERT_WEIGHTS]
+  accs = None if grad_accs is None else tuple(grad_accs[name] for name in EXPERT_WEIGHTS)
+  if accs is not None and e.token_chunk and b * t > e.token_chunk:
+    # Several chunks use each weight: the accumulator joins the sum of their cotangents, once.
+    experts, accs = [add_to_gradient(x, acc) for x, acc in zip(experts, accs, strict=True)], None
 
   def experts_fn(h_ML, idx_MK, p_MK):
     if exchange is None:
       y_ML = dropless_moe(h_ML, idx_MK, p_MK, *experts, cfg.ffn.situ_b1, cfg.ffn.situ_b2,
-                          e.grouped_matmul)
+                          e.grouped_matmul, accs)
       return y_ML, jnp.zeros((), jnp.int32)
     return expert_parallel(
         h_ML, idx_MK, p_MK, *experts, exchange=exchange, num_experts=n,
@@ -159,14 +178,20 @@ class MoE(nn.Module):
                       name=f"shared_{i}")(x_BTD) for i in range(e.num_shared)]
 
     w = self._weights()
+    grad_accs = self._grad_accumulators(w)
     if segment_ids_BT is None:
       segment_ids_BT = jnp.zeros(x_BTD.shape[:2], jnp.int32)
     mesh = jax.sharding.get_abstract_mesh()
     axes = meshlib.token_axes(mesh) if meshlib.token_shards(mesh) > 1 else ()
     ep = meshlib.axis_size(mesh, meshlib.EXPERT_AXIS) > 1
     exchange = (self.exchange or default_exchange()) if ep else None
+    if grad_accs is not None and axes:
+      # Outside the shard_map, where a weight's cotangent is already summed over the shards that
+      # replicate it: inside, each shard would add the accumulator once.
+      w = {**w, **{name: add_to_gradient(w[name], acc) for name, acc in grad_accs.items()}}
+      grad_accs = None
     fn = functools.partial(_routed, cfg=cfg, stats_wanted=self.is_mutable_collection("router"),
-                           axes=axes, exchange=exchange)
+                           axes=axes, exchange=exchange, grad_accs=grad_accs)
     if axes:
       fn = self._shard_mapped(fn, w, x_BTD, segment_ids_BT, axes, ep, meshlib.token_shards(mesh))
     routed_BTD, stats = fn(w, x_BTD, segment_ids_BT, bias.value)
@@ -181,6 +206,20 @@ class MoE(nn.Module):
     shared_BTD = shared[0] if len(shared) == 1 else sum(y.astype(jnp.float32) for y in shared).astype(dtype)
     return shared_BTD + routed_BTD
 
+  def _grad_accumulators(self, w):
+    """{expert weight name: its gradient accumulator} from the GRAD_ACC collection, or None."""
+    given = self.variables.get(GRAD_ACC, {})
+    if not given:
+      return None
+    if set(given) != set(EXPERT_WEIGHTS):
+      raise ValueError(f"MoE takes gradient accumulators for exactly {EXPERT_WEIGHTS}, got {sorted(given)}")
+    for name in EXPERT_WEIGHTS:
+      acc, weight = given[name], w[name]
+      if acc.shape != weight.shape or acc.dtype != weight.dtype or acc.dtype != jnp.float32:
+        raise ValueError(f"the gradient accumulator of {name} must be float32 like its weight "
+                         f"{weight.dtype}{list(weight.shape)}, got {acc.dtype}{list(acc.shape)}")
+    return dict(given)
+
   def _shard_mapped(self, fn, w, x_BTD, segment_ids_BT, axes, ep, shards):
     """Wraps fn in shard_map over the ambient mesh, with its inputs moved to the matching specs."""
     if x_BTD.shape[0] % shards:
@@ -190,7 +229,7 @@ class MoE(nn.Module):
     if ep and self.cfg.moe.num_experts % experts:
       raise ValueError(f"moe.num_experts={self.cfg.moe.num_experts} is not divisible by the expert "
                        f"mesh axis size {experts}")
-    w_specs = {name: P(meshlib.EXPERT_AXIS) if ep and name in _EXPERT_WEIGHTS else P() for name in w}
+    w_specs = {name: P(meshlib.EXPERT_AXIS) if ep and name in EXPERT_WEIGHTS else P() for name in w}
     in_specs = (w_specs, P(axes), P(axes), P())
     out_specs = (P(axes), P())
     mapped = jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs)

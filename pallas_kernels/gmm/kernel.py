@@ -97,7 +97,9 @@ def gmm_pallas(lhs_MK, rhs, group_sizes_G, *, tile: Tile, out_dtype, transpose_r
   )(*visits, lhs_MK, rhs)
 
 
-def _tgmm_kernel(order_ref, start_ref, end_ref, lhs_ref, dy_ref, out_ref, *, tile: Tile, k, n, precision):
+def _tgmm_kernel(order_ref, start_ref, end_ref, lhs_ref, dy_ref, *refs, tile: Tile, k, n, precision):
+  # refs: (out,) or, accumulating, (acc, out) where out is acc's buffer (aliased).
+  acc_ref, out_ref = refs if len(refs) == 2 else (None, refs[0])
   bm, bk, bn = tile.bm, tile.bk, tile.bn
   k_tiles, n_tiles = pl.cdiv(k, bk), pl.cdiv(n, bn)
   pid = pl.program_id(0)
@@ -119,15 +121,23 @@ def _tgmm_kernel(order_ref, start_ref, end_ref, lhs_ref, dy_ref, out_ref, *, til
     d = pltriton.load(dy_ref.at[pl.ds(r0, bm), pl.ds(nt * bn, bn)], mask=mask_and(row_in, n_in), other=0)
     return acc + lax.dot_general(a, d, _TN, precision=precision, preferred_element_type=_F32)
 
-  # Empty groups run no iteration and store zeros, as the gradient of an unused expert must be.
-  acc = lax.fori_loop(0, (end - start + bm - 1) // bm, body, jnp.zeros((bk, bn), _F32))
   out_mask = mask_and(None if k_in is None else (ks < k)[:, None], n_in)
-  out_at = out_ref.at[g, pl.ds(kt * bk, bk), pl.ds(nt * bn, bn)]
-  pltriton.store(out_at, acc.astype(out_ref.dtype), mask=out_mask)
+  tile_at = pl.ds(kt * bk, bk), pl.ds(nt * bn, bn)
+  if acc_ref is None:
+    start_value = jnp.zeros((bk, bn), _F32)
+  else:
+    start_value = load(acc_ref.at[g, *tile_at], out_mask).astype(_F32)
+  # Empty groups run no iteration and store zeros (or the accumulator as it was), as the gradient of
+  # an unused expert must be.
+  acc = lax.fori_loop(0, (end - start + bm - 1) // bm, body, start_value)
+  pltriton.store(out_ref.at[g, *tile_at], acc.astype(out_ref.dtype), mask=out_mask)
 
 
-def tgmm_pallas(lhs_MK, dy_MN, group_sizes_G, *, tile: Tile, out_dtype, interpret=False):
-  """out [G, K, N], out[g] = lhs[rows of g]^T @ dy[rows of g]; zeros for empty groups."""
+def tgmm_pallas(lhs_MK, dy_MN, group_sizes_G, *, tile: Tile, out_dtype, acc_GKN=None, interpret=False):
+  """out [G, K, N], out[g] = lhs[rows of g]^T @ dy[rows of g]; zeros for empty groups.
+
+  With acc_GKN (out_dtype): out = acc + that, summed in float32 before the one rounding, written over
+  acc's buffer (aliased), so accumulating a gradient costs no pass of its own over memory."""
   m, k = lhs_MK.shape
   n = dy_MN.shape[1]
   g = group_sizes_G.shape[0]
@@ -135,11 +145,18 @@ def tgmm_pallas(lhs_MK, dy_MN, group_sizes_G, *, tile: Tile, out_dtype, interpre
   start_G, end_G = group_bounds(group_sizes_G, m)
   order_G = largest_first(end_G - start_G)
   kernel = functools.partial(_tgmm_kernel, tile=tile, k=k, n=n, precision=_precision(lhs_MK.dtype))
+  operands = (order_G, start_G, end_G, lhs_MK, dy_MN)
+  if acc_GKN is not None:
+    if acc_GKN.shape != (g, k, n) or acc_GKN.dtype != jnp.dtype(out_dtype):
+      raise ValueError(f"tgmm accumulator must be {out_dtype}[{g}, {k}, {n}], got "
+                       f"{acc_GKN.dtype}{list(acc_GKN.shape)}")
+    operands += (acc_GKN,)
   return pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype),
       grid=(g * pl.cdiv(k, tile.bk) * pl.cdiv(n, tile.bn),),
+      input_output_aliases={} if acc_GKN is None else {len(operands) - 1: 0},
       compiler_params=pltriton.CompilerParams(num_warps=tile.num_warps, num_stages=tile.num_stages),
       interpret=interpret,
-      name="tgmm",
-  )(order_G, start_G, end_G, lhs_MK, dy_MN)
+      name="tgmm_acc" if acc_GKN is not None else "tgmm",
+  )(*operands)
