@@ -1,7 +1,7 @@
 """Pallas (Triton lowering) kernels of the grouped matmul. All GPU-backend-specific code lives here.
 
 gmm:  out[r] = lhs[r] @ rhs[g(r)]      (rhs [G, K, N], or [G, N, K] read transposed for dlhs)
-tgmm: out[g] = lhs[rows of g]^T @ dy[rows of g]
+tgmm: out[g] = lhs[rows of g]^T @ dy[rows of g]   (+ acc[g], in place, when accumulating a gradient)
 
 The grid is 1-D and each program decodes its own work item from the schedule arrays (schedule.py):
 Triton-lowered Pallas has neither scalar prefetch nor data-dependent index maps, so blocks are addressed
