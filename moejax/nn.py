@@ -224,9 +224,12 @@ def remat_pieces(fn, pieces: int, *xs_M) -> list:
   return [one(*(jax.lax.slice_in_dim(x, i * size, (i + 1) * size) for x in xs_M)) for i in range(pieces)]
 
 
-# The collection of gradient accumulators (train_step.accumulated): for a parameter that a module
-# can accumulate in place, an array of its shape and dtype at the parameter's path.
+# The collection of gradient accumulators (train_step.accumulated): for a parameter whose module adds
+# its accumulator to its gradient, an array of its shape and dtype at the parameter's path. Such a
+# module sows a marker into GRAD_ACC_TAKEN, so that the caller can tell that none went unread (Flax
+# ignores collections that nothing reads, and an unread accumulator would be lost).
 GRAD_ACC = "grad_acc"
+GRAD_ACC_TAKEN = "grad_acc_taken"
 
 
 def add_to_gradient(w, acc):

@@ -21,7 +21,7 @@ from moejax.config import passes_per_step
 from moejax.layers.moe import EXPERT_WEIGHTS
 from moejax.loss import cross_entropy
 from moejax.model import Transformer, init_variables, per_layer, tied_head
-from moejax.nn import GRAD_ACC
+from moejax.nn import GRAD_ACC, GRAD_ACC_TAKEN
 from moejax.optim import dict_to_cfg, learning_rate_schedule, make_optimizer, qk_clip
 from moejax.parallel import mesh as meshlib
 from pallas_kernels.segments import document_ids
@@ -146,10 +146,12 @@ class _AccumulatorLayout:
   the gradients of the parameters that `optim.flattens` (small and unsplit) as one flat float32
   vector: a few kernels a pass for all of them, not one per parameter.
 
-  The routed experts' float32 weights (moe.EXPERT_WEIGHTS, most of the parameters) are accumulated
-  by the model itself: their accumulators go in as the collection nn.GRAD_ACC and their gradients come
-  back with the accumulator already added, by the grouped matmul's drhs kernel in place. That saves
-  writing each pass's gradient and reading it back for a separate add.
+  The routed experts' float32 weights (moe.EXPERT_WEIGHTS, most of the parameters) that are not in
+  the flat vector are accumulated by the model itself: their accumulators go in as the collection
+  nn.GRAD_ACC and their gradients come back with the accumulator already added, on GPU by the grouped
+  matmul's drhs kernel, over the accumulator's buffer. That saves writing each pass's gradient and
+  reading it back for a separate add, and the pass's gradient is not rounded to the compute dtype
+  before the sum (a one-pass step's is).
   """
 
   def __init__(self, params):
@@ -158,9 +160,10 @@ class _AccumulatorLayout:
     self.shapes = [(p.shape, p.dtype) for p in leaves]
     self.small = [optim_lib.flattens(p) for p in leaves]
     self.flat_size = sum(p.size for p, s in zip(leaves, self.small, strict=True) if s)
-    keys = [tuple(k.key for k in path) for path, _ in paths_and_leaves]
+    keys = [tuple(getattr(k, "key", None) for k in path) for path, _ in paths_and_leaves]
     # Paths into the collection for the leaves the model accumulates, None for the others.
-    self.in_model = [key if not s and p.dtype == jnp.float32 and key[-1] in EXPERT_WEIGHTS else None
+    self.in_model = [key if not s and p.dtype == jnp.float32 and key[-1] in EXPERT_WEIGHTS
+                     and None not in key else None
                      for key, p, s in zip(keys, leaves, self.small, strict=True)]
 
   def collection(self, acc):
@@ -209,6 +212,20 @@ class _AccumulatorLayout:
     return jax.tree.unflatten(self.treedef, out)
 
 
+def _module_paths(tree, depth: int) -> set:
+  """The paths of the leaves of a nested dict, each cut `depth` keys short: their modules' paths."""
+  paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {tuple(getattr(k, "key", k) for k in path[:-depth]) for path, _ in paths}
+
+
+def _check_taken(grad_acc, taken):
+  """Raises unless every module handed gradient accumulators sowed that it took them (trace time)."""
+  # An accumulator sits at module/param; a marker at module/name/(the sow's tuple index).
+  if missing := _module_paths(grad_acc, 1) - _module_paths(taken, 2):
+    raise ValueError(f"the model did not take the gradient accumulators of {sorted(missing)}: their "
+                     f"earlier passes' gradients would be lost")
+
+
 def applied_updates(opt_state) -> jax.Array:
   """How many updates the optimizer has applied: its step `count`. Skipped (non-finite) steps keep
   the whole old optimizer state, so every count in the chain stays equal to this."""
@@ -232,7 +249,10 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
     variables = {"params": params, "balance": balance_vars}
     if grad_acc:
       variables[GRAD_ACC] = grad_acc
-    h_BTD, stats = model.apply(variables, batch["tokens"], batch["segment_ids"], mutable=mutable)
+    h_BTD, stats = model.apply(variables, batch["tokens"], batch["segment_ids"],
+                               mutable=mutable + [GRAD_ACC_TAKEN] if grad_acc else mutable)
+    if grad_acc:
+      _check_taken(grad_acc, stats.pop(GRAD_ACC_TAKEN, {}))
     with jax.named_scope("lm_head_loss"):
       loss, metrics = cross_entropy(h_BTD, head_matrix(params, cfg), batch["targets"], batch["loss_mask"],
                                     z_loss_weight=cfg.loss.z_loss_weight, chunk=cfg.loss.chunk_tokens)

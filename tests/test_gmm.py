@@ -214,8 +214,9 @@ def test_lowers_to_triton_for_h200(dtype, shape):
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("shape", [(1000, 256, 192, 8), (1024, 256, 256, 4)])  # partial, whole tiles
 def test_accumulating_drhs_lowers_in_place_for_h200(shape):
-  """With a gradient accumulator the drhs kernel lowers to Triton for an H200 and writes over the
-  accumulator's buffer (an output-operand alias), so the sum needs no buffer of its own."""
+  """With a gradient accumulator the drhs kernel lowers to Triton for an H200 with its output aliased
+  to the accumulator (whether XLA then copies is the compiled step's business: benchmarks/hlo_traffic.py
+  showed none in experiments/h200.py's step)."""
   from pallas_kernels.gmm.ops import _gmm_acc
   from pallas_kernels.gmm.tiling import DEFAULT_TILING
   m, k, n, g = shape

@@ -128,12 +128,14 @@ def test_passes_give_the_one_pass_step(balance, small_gradient, mask_scale, moe_
 
 def test_passes_with_scanned_layers_accumulate_stacked_experts(monkeypatch, layouts):
   """Scanned layers: the stacked experts' accumulators go into the scan with their params' leading
-  layers axis, each period's MoE adds its own slice; two passes give the one-pass step."""
+  layers axis, each period's MoE adds its own slice, in the grouped matmul's kernels (interpret mode);
+  two passes give the one-pass step."""
   monkeypatch.setattr(optim_lib, "SMALL_LEAF", 512)
   configs = []
   for tokens in (0, 2 * SEQ):
     c = small_config("none", tokens).unlock()
     c.model.update(num_layers=6, scan_layers=True)
+    c.model.moe.grouped_matmul = "interpret"
     configs.append(validate(c))
   ref_step, state, _ = gradient_step(configs[0])
   acc_step, _, _ = gradient_step(configs[1])
@@ -153,6 +155,17 @@ def test_passes_with_scanned_layers_accumulate_stacked_experts(monkeypatch, layo
 
   jax.tree_util.tree_map_with_path(check, got.params, want.params, state.params)
   np.testing.assert_allclose(got_m["grad_norm"], want_m["grad_norm"], rtol=1e-5)
+
+
+def test_accumulators_the_model_does_not_take_are_an_error(monkeypatch):
+  """A module that holds an expert weight but reads no accumulator would lose the earlier passes'
+  gradients: the step refuses to trace."""
+  from moejax.layers.moe import MoE
+  monkeypatch.setattr(optim_lib, "SMALL_LEAF", 512)
+  monkeypatch.setattr(MoE, "_grad_accumulators", lambda self, w: None)
+  step, state, _ = gradient_step(small_config("none", 2 * SEQ))
+  with pytest.raises(ValueError, match="did not take the gradient accumulators"):
+    step(state, batch_of())
 
 
 def test_accumulator_layout_sums_small_and_large_gradients(monkeypatch):

@@ -25,9 +25,9 @@ Sown into the collection "router" (each a plain array, overwritten per call), wh
 
 Gradient accumulation: with float32 accumulators of the routed experts' weights in the collection
 `moejax.nn.GRAD_ACC` (the names of EXPERT_WEIGHTS), each weight's gradient comes back as its
-accumulator plus this pass's. Without a shard_map and with one token chunk, the grouped matmuls' drhs
-kernels add it in place (`gmm`'s rhs_grad_acc); otherwise it is added to the whole weight's cotangent
-(`moejax.nn.add_to_gradient`).
+accumulator plus this pass's, and the layer sows a marker into `moejax.nn.GRAD_ACC_TAKEN`. Without a
+shard_map and with one token chunk the grouped matmuls add it (`gmm`'s rhs_grad_acc: on GPU inside
+the drhs kernel); otherwise it is added to the whole weight's cotangent (`moejax.nn.add_to_gradient`).
 """
 
 import functools
@@ -44,6 +44,7 @@ from moejax.layers.ffn import SiTUGLU
 from moejax.layers.router import expert_load, router_scores, select_experts, sequence_aux_loss_terms
 from moejax.nn import (
   GRAD_ACC,
+  GRAD_ACC_TAKEN,
   add_to_gradient,
   default_kernel_init,
   logical_param,
@@ -179,6 +180,8 @@ class MoE(nn.Module):
 
     w = self._weights()
     grad_accs = self._grad_accumulators(w)
+    if grad_accs is not None:
+      self.sow(GRAD_ACC_TAKEN, "experts", jnp.zeros((), jnp.int32))
     if segment_ids_BT is None:
       segment_ids_BT = jnp.zeros(x_BTD.shape[:2], jnp.int32)
     mesh = jax.sharding.get_abstract_mesh()

@@ -33,10 +33,12 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, tiling=N
     rhs_grad_acc: None, or a gradient accumulator [G, K, N] of rhs's dtype, for accumulating rhs's
       gradient over several backward passes. rhs may then be wider than lhs (a float32 parameter with
       bfloat16 activations); it is rounded to lhs's dtype for the products. The cotangent returned
-      for rhs is rhs_grad_acc + rhs's true cotangent, added in float32 inside the drhs kernel, which
-      overwrites the accumulator's buffer: the sum costs no pass of its own over memory, and the
-      pass's gradient is not rounded before it is added. The accumulator's own cotangent is zero. So
-      the gradient of a loss in which rhs feeds only this call is the accumulator plus this pass's.
+      for rhs is rhs_grad_acc + rhs's true cotangent, summed in float32 before one rounding to rhs's
+      dtype: by the Pallas drhs kernel, which writes it over the accumulator's buffer (aliased, so
+      XLA needs no new buffer where the accumulator is not read later) and so spends no pass of its
+      own over memory; by an add after ragged_dot_general for "xla". The accumulator's own cotangent
+      is zero. So the gradient of a loss in which rhs feeds only this call is the accumulator plus
+      this pass's.
 
   Returns:
     [M, N] in preferred_element_type. Differentiable w.r.t. lhs and rhs, not group_sizes. The backward
