@@ -20,8 +20,8 @@ def grouped_situ_glu(x_RL, group_sizes_G, w_gate_GLF, w_up_GLF, w_down_GFL, b1: 
   """Row r, in group g, gets W_d[g] situ_glu(W_g[g] x_r, W_u[g] x_r). Returns [R, L] in x's dtype.
 
   grad_accs: None, or gradient accumulators of (W_g, W_u, W_d), each of its weight's shape and dtype.
-  Then each weight's cotangent comes back as its accumulator plus its own, summed inside the drhs
-  kernel (`gmm`'s rhs_grad_acc): each weight must feed only this call.
+  Then each weight's cotangent comes back as its accumulator plus its own, summed by the grouped
+  matmul (`gmm`'s rhs_grad_acc; on GPU inside the drhs kernel): each weight must feed only this call.
 
   Gate and up are two grouped matmuls. One over [W_g | W_u] measured 2% faster alone (BENCHMARKS.md,
   "Grouped matmul"), but in the H200 step slicing its [R, 2F] output in two and concatenating the two
