@@ -102,8 +102,9 @@ def _pin_run(workdir: str, config, stages, step: int | None) -> bool:
     i, _ = stage_at(old_stages, step)
     kept = (len(stages) > i and old_stages[:i] == list(stages[:i])
             and (stages[i][0], stages[i][2]) == (old_stages[i][0], old_stages[i][2]))
-    changed = [f"{name}: {before.get(name)!r} -> {pin[name]!r}" for name in _STREAM_FIELDS
-               if before.get(name) != pin[name]]
+    differences = lambda names: [f"{name}: {before.get(name)!r} -> {pin[name]!r}" for name in names
+                                 if before.get(name) != pin[name]]
+    changed = differences(_STREAM_FIELDS)
     if not kept:
       changed.insert(0, f"train.stages: {before['stages']} -> {pin['stages']} (step {step} is in stage "
                         f"{i} of the saved run: the stages before it, its sequence length and its batch "
@@ -112,9 +113,7 @@ def _pin_run(workdir: str, config, stages, step: int | None) -> bool:
       raise ConfigError(f"the checkpoints in {workdir} (step {step}) were made by a run whose data stream "
                         f"this config changes: {'; '.join(changed)}. Restore those settings, start in a new "
                         f"workdir, or delete {path} to resume on the new stream all the same")
-    moved = [f"{name}: {before.get(name)!r} -> {pin[name]!r}" for name in ("total_steps",) + _SCHEDULE_FIELDS
-             if before.get(name) != pin[name]]
-    if moved:
+    if moved := differences(("total_steps",) + _SCHEDULE_FIELDS):
       log.warning("resuming at step %d with another learning-rate schedule (%s): it is rebuilt for the new "
                   "settings, so the rate from here on is not the one the earlier run planned", step,
                   "; ".join(moved))

@@ -13,6 +13,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from flax import traverse_util
 
 from moejax import balance as balance_lib
 from moejax import metrics as metrics_lib
@@ -168,28 +169,23 @@ class _AccumulatorLayout:
 
   def collection(self, acc):
     """The nn.GRAD_ACC collection: the model-accumulated leaves' accumulators at their params' paths."""
-    out = {}
-    for key, a in zip(self._large(self.in_model), acc[0], strict=True):
-      if key is not None:
-        node = out
-        for k in key[:-1]:
-          node = node.setdefault(k, {})
-        node[key[-1]] = a
-    return out
+    return traverse_util.unflatten_dict({key: a for key, a in zip(self._large(self.in_model), acc[0],
+                                                                    strict=True) if key is not None})
 
   def _large(self, per_leaf):
+    """The entries of a per-leaf list that belong to the large leaves (those with accumulators)."""
     return [x for x, s in zip(per_leaf, self.small, strict=True) if not s]
 
   def zeros(self):
     """(one zero accumulator per large gradient, the flat zero vector of the small ones)."""
     large = [jnp.zeros(shape, jnp.promote_types(dtype, jnp.float32))
-             for (shape, dtype), s in zip(self.shapes, self.small, strict=True) if not s]
+             for shape, dtype in self._large(self.shapes)]
     return large, jnp.zeros((self.flat_size,), jnp.float32)
 
   def add(self, acc, grads):
     large, flat = acc
     leaves = self.treedef.flatten_up_to(grads)
-    large_g = [g for g, s in zip(leaves, self.small, strict=True) if not s]
+    large_g = self._large(leaves)
     small_g = [g.astype(jnp.float32).reshape(-1) for g, s in zip(leaves, self.small, strict=True) if s]
     # A model-accumulated gradient already holds the accumulator.
     large = [g if key is not None else a + g.astype(a.dtype)
