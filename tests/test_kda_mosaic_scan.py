@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.kda_backend import TITLE  # noqa: E402
 from benchmarks.report import replace_section  # noqa: E402
-from pallas_kernels.kda.mosaic_scan import scan_forward_mosaic, smem_bytes, unsupported  # noqa: E402
+from pallas_kernels.kda.mosaic_scan import scan_forward_mosaic, scan_kernel, smem_bytes, unsupported  # noqa: E402
 from pallas_kernels.kda.mosaic_scan_bwd import (  # noqa: E402
   scan_backward_mosaic,
   smem_bytes_backward,
@@ -214,6 +214,60 @@ def test_needs_a_slot():
   inputs = scan_inputs(0, B=1, H=1, N=2, C=32, K=64, V=32, dtype=jnp.bfloat16)
   with pytest.raises(ValueError, match="stages must be >= 1"):
     scan_forward_mosaic(*inputs, out_dtype=jnp.bfloat16, block_v=32, stages=0, interpret=True)
+
+
+# (segments, chunks, chunk, V width, V block, slots, input dtype): two segments of two chunks, three of
+# one (fewer chunks than slots), four of two with several V blocks per segment and two per K.
+SEGMENT_CASES = [(2, 4, 32, 64, 32, 2, jnp.bfloat16), (3, 3, 16, 32, 32, 2, jnp.float32),
+                 (4, 8, 32, 64, 16, 3, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("P,N,C,V,block_v,stages,dtype", SEGMENT_CASES)
+def test_segments_match_the_recurrence_and_the_whole_pass(P, N, C, V, block_v, stages, dtype):
+  """The chunks walked in P segments at once, the later ones corrected by their entering states
+  (mosaic_scan_split), against float64 and against one pass over all of them: within bf16 operand
+  rounding, with states that carry over many chunks (decays in (0.3, 1]) and an initial state. No races
+  in the kernel, whose homogeneous programs store to their own output."""
+  inputs = scan_inputs(4, B=2, H=2, N=N, C=C, K=64, V=V, dtype=dtype)
+  o, S, states, Vp = scan_forward_mosaic(*inputs, out_dtype=jnp.float32, block_v=block_v, stages=stages,
+                                         segments=P, interpret=plgpu.InterpretGPUParams(detect_races=True))
+  assert races_found() in (False, None)
+  assert states is None and Vp is None
+  o_ref, S_ref = recurrence(*inputs)
+  assert o.shape == o_ref.shape and S.shape == S_ref.shape
+  assert rel(o, o_ref) < 1e-2 and rel(S, S_ref) < 1e-2
+  o_one, S_one = scan_forward_mosaic(*inputs, out_dtype=jnp.float32, block_v=block_v, stages=stages,
+                                     interpret=True)[:2]
+  # Segment 0 walks as the whole pass does, from the same state: the same products in the same order.
+  first = o.shape[1] // P
+  np.testing.assert_array_equal(o[:, :first], o_one[:, :first])
+  assert rel(o, o_one) < 5e-3 and rel(S, S_one) < 5e-3
+
+
+def test_segments_refuse_what_they_cannot_split():
+  inputs = scan_inputs(0, B=1, H=1, N=3, C=32, K=64, V=32, dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="keeps no states"):
+    scan_forward_mosaic(*inputs, out_dtype=jnp.bfloat16, block_v=32, states_dtype=jnp.bfloat16, segments=3,
+                        interpret=True)
+  with pytest.raises(ValueError, match="whole segments"):
+    scan_forward_mosaic(*inputs, out_dtype=jnp.bfloat16, block_v=32, segments=2, interpret=True)
+  with pytest.raises(ValueError, match="segments must be an int >= 2"):
+    scan_forward_mosaic(*inputs, out_dtype=jnp.bfloat16, block_v=32, segments=0, interpret=True)
+
+
+@pytest.mark.parametrize("segments", [2, 4])
+def test_segments_lower_for_cuda_at_a_long_row(segments):
+  """B=1 T=32768 H=16 K=V=128, the shape segments are for: Mosaic GPU lowers the kernel with its
+  homogeneous programs and counts the shared memory of the unsegmented pass. (The Triton kernel that
+  then corrects the outputs lowers only where a GPU is, so the kernel is lowered alone.)"""
+  bf = jnp.bfloat16
+  sd = jax.ShapeDtypeStruct
+  B, H, T, D, C = 1, 16, 32768, 128, 32
+  bhtd = sd((B, H, T, D), bf)
+  args = (bhtd, bhtd, bhtd, bhtd, sd((B, H, T, C), bf), sd((B, H, T // C, D), jnp.float32),
+          sd((B * segments, H, D, 2 * D), jnp.float32))
+  f = jax.jit(lambda *a: scan_kernel(*a, out_dtype=bf, block_v=32, stages=2, segments=segments))
+  assert_lowers_counting_smem(f, args, smem_bytes(128, C, 32, 2, bf))
 
 
 @pytest.mark.parametrize("K,C,block_v,V",

@@ -206,6 +206,39 @@ def test_mosaic_state_pass_matches_triton_in_the_op(fwd, bwd, lengths):
     assert rel_err(a, e) <= 1e-2
 
 
+@pytest.mark.parametrize("segments,lengths", [(2, (41, 60, 49)), (3, None), (4, (150,))])
+def test_segmented_state_pass_in_the_op(segments, lengths):
+  """The forward alone with its Mosaic state pass in segments (interpret mode): bf16 data, mild gates so
+  that states carry across segments, initial and final state, T = 150 padded to whole segments, documents
+  that start inside segments. Within the bf16 target of the float32 recurrence and close to the
+  unsegmented op; the gradient path keeps its states and never segments, so its values and gradients
+  are the unsegmented op's exactly."""
+  B, T, H, K, V = 1, 150, 1, 64, 64
+  qkvgb, S0, cot = make_inputs(8, B, T, H, K, V, dtype=jnp.bfloat16, gate=-0.02)
+  cot = (cot[0].astype(jnp.bfloat16), cot[1])
+  seg = None if lengths is None else jnp.asarray(ids_from_lengths(list(lengths)))[None]
+  config = Config(scan_fwd_lowering="mosaic", scan_segments=segments)
+  got = run("kernel", qkvgb, S0, seg, C=32, config=config)
+  whole = run("kernel", qkvgb, S0, seg, C=32, config=Config(scan_fwd_lowering="mosaic"))
+  want = run("recurrent", tuple(x.astype(jnp.float32) for x in qkvgb), S0, seg, C=32)
+  for a, w, e in zip(got, whole, want, strict=True):
+    assert a.shape == e.shape and a.dtype == w.dtype
+    assert rel_err(a, e) <= 1e-2
+    assert rel_err(a, w) <= 3e-3
+  grads = value_and_vjp(qkvgb, S0, seg, cot, impl="kernel", C=32, config=config)
+  grads_whole = value_and_vjp(qkvgb, S0, seg, cot, impl="kernel", C=32,
+                              config=Config(scan_fwd_lowering="mosaic"))
+  jax.tree.map(np.testing.assert_array_equal, grads, grads_whole)
+
+
+def test_scan_segments_setting():
+  assert Config().segments(1, 16, 128) == 1
+  assert Config(scan_segments=2).segments(1, 16, 128) == 2
+  for bad in (0, True, 1.5, "2"):
+    with pytest.raises(ValueError, match="scan_segments"):
+      Config(scan_segments=bad)
+
+
 def test_interpret_mode_differentiates_under_remat_at_mosaic_shapes():
   """Shapes where the GPU would take the Mosaic state pass (bf16, K = V = 64): in interpret mode the
   default lowering still differentiates inside jax.checkpoint, as the 1M configs' remat needs (Mosaic's

@@ -184,21 +184,51 @@ def shape_or_memory(K: int, C: int, block_v: int, V: int, stages: int, need) -> 
 
 
 def scan_forward_mosaic(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int, stages: int = 2,
-                        states_dtype=None, interpret=False):
+                        states_dtype=None, segments: int = 1, interpret=False):
   """Returns (o, S_fin, states, V') like pallas_scan.scan_forward: o [B,T,H,V] in out_dtype, the final
   state [B,H,K,V] float32, and, when states_dtype is given, the state entering each chunk [B,H,N,K,V] and
   V' = U - W S [B,H,T,V] in that dtype (else None, None). states_dtype must be bf16 (ValueError
   otherwise): the stores reuse the bf16 tiles the products read. stages: chunk slots in flight (2:
-  double-buffered). interpret: True (or plgpu.InterpretGPUParams) runs the kernel in Mosaic GPU interpret
-  mode on the CPU."""
+  double-buffered). segments > 1 (not with states_dtype): the chunks are walked in that many segments at
+  once (module docstring of mosaic_scan_split). interpret: True (or plgpu.InterpretGPUParams) runs the
+  kernel in Mosaic GPU interpret mode on the CPU."""
+  if segments != 1:
+    from pallas_kernels.kda import mosaic_scan_split
+    if states_dtype is not None:
+      raise ValueError("a segmented scan keeps no states: its later segments' are off by their entering "
+                       "state's part")
+    return mosaic_scan_split.scan_forward_segmented(W, U, qg, kd, Aqk, sdec, S0, out_dtype=out_dtype,
+                                                    block_v=block_v, stages=stages, segments=segments,
+                                                    interpret=interpret)
+  o, S_fin, *kept = scan_kernel(W, U, qg, kd, Aqk, sdec, S0, out_dtype=out_dtype, block_v=block_v,
+                                stages=stages, states_dtype=states_dtype, interpret=interpret)
+  return (o, S_fin, *kept) if kept else (o, S_fin, None, None)
+
+
+def scan_kernel(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int, stages: int, states_dtype=None,
+                segments: int = 1, interpret=False):
+  """The forward pass's kernel. With segments = 1: (o, S_fin) or (o, S_fin, states, V') as
+  scan_forward_mosaic returns them. With P = segments > 1 the N chunks split into P segments of N/P, all
+  walked at once, each from its own state S0 [B*P,H,K,V+K] (row b*P + p: segment p of batch row b),
+  and K more column blocks per segment walk the homogeneous pass: U read as zero, from S0's last K
+  columns (the identity, where the caller wants the segment's transition). Returns (o [B,T,H,V] of the
+  local passes, the homogeneous passes' outputs [B,T-T/P,H,K] of segments 1..P-1, the final states
+  [B*P,H,K,V+K]); segment 0's homogeneous programs do not run, their final state columns are left
+  unwritten."""
   B, H, T, K = W.shape
   V = U.shape[-1]
   C = Aqk.shape[-1]
   N = T // C
   BV = block_v
+  P = segments
   keep = states_dtype is not None
   check_scan(K, C, BV, V, T, stages, bf16_stores=(("states_dtype", states_dtype),) if keep else ())
-  stages = min(stages, N)
+  if P > 1 and (keep or N % P or K % BV):
+    raise ValueError(f"a scan in {P} segments needs no kept states, whole segments ({N} chunks) and V "
+                     f"blocks ({BV}) that divide K ({K})")
+  Ns = N // P
+  nV = V // BV
+  stages = min(stages, Ns)
   R, lo, X = tile_rows(C)
   first = C - lo  # first valid row of the output tile
   bf, f32 = jnp.bfloat16, jnp.float32
@@ -210,25 +240,38 @@ def scan_forward_mosaic(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int,
   # products step through C in swizzle-wide groups.
   mma = functools.partial(smem_transforms, bf, max_elems=min(BV, C))
 
-  def body(W_g, U_g, qg_g, kd_g, Aqk_g, sdec_g, S0_g, o_g, Sfin_g, *refs):
+  def body(W_g, U_g, qg_g, kd_g, Aqk_g, sdec_g, S0_g, o_g, *refs):
+    ohom_g, refs = (refs[0], refs[1:]) if P > 1 else (None, refs)
+    Sfin_g, refs = refs[0], refs[1:]
     states_g, Vp_g = refs[:2] if keep else (None, None)
     Wq_s, kd_s, U_s, Aqk_s, sdec_s, S_s, Vp_s, o_s, loaded = refs[2 * keep:]
-    j, h, b = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
+    j, h, bp = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
+    b, p = lax.div(bp, P), lax.rem(bp, P)
     cols = pl.ds(j * BV, BV)
+    # A homogeneous block (j >= nV) reads any U block and zeroes it.
+    u_cols = pl.ds(jnp.minimum(j, nV - 1) * BV, BV) if P > 1 else cols
+    start = p * Ns  # the segment's first chunk
 
+    @pl.when(jnp.logical_or(j < nV, p > 0))
+    def _():
+      walk(b, h, j, bp, p, start, cols, u_cols, W_g, U_g, qg_g, kd_g, Aqk_g, sdec_g, S0_g, o_g, ohom_g,
+           Sfin_g, states_g, Vp_g, Wq_s, kd_s, U_s, Aqk_s, sdec_s, S_s, Vp_s, o_s, loaded)
+
+  def walk(b, h, j, bp, p, start, cols, u_cols, W_g, U_g, qg_g, kd_g, Aqk_g, sdec_g, S0_g, o_g, ohom_g,
+           Sfin_g, states_g, Vp_g, Wq_s, kd_s, U_s, Aqk_s, sdec_s, S_s, Vp_s, o_s, loaded):
     def fetch(c, slot):
       fetch_forward((W_g, U_g, qg_g, kd_g, Aqk_g, sdec_g),
                     tuple(x.at[slot] for x in (Wq_s, kd_s, U_s, Aqk_s, sdec_s)),
-                    b=b, h=h, c=c, cols=cols, C=C, first=first, bar=loaded.at[slot])
+                    b=b, h=h, c=start + c, cols=u_cols, C=C, first=first, bar=loaded.at[slot])
 
     for slot in range(stages):
       fetch(slot, slot)
-    S_KV = plgpu.load(S0_g.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
+    S_KV = plgpu.load(S0_g.at[bp, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
 
     def step(c, S_KV):
       slot = lax.rem(c, stages)
       plgpu.barrier_wait(loaded.at[slot])
-      rows = pl.ds(c * C, C)
+      rows = pl.ds((start + c) * C, C)
       if keep:
         # Stores go out per chunk as state, V', O; leaving only the last two (V', O) unfinished makes
         # sure the last state store has read S_s.
@@ -242,6 +285,8 @@ def scan_forward_mosaic(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int,
         # [W; qg] S in one wgmma: rows [0, C) are W S, rows [C, 2C) qg S.
         plgpu.wgmma(y_acc, Wq_s.at[slot], S_s)
         U_XV = U_s.at[slot][...].astype(f32)
+        if P > 1:
+          U_XV = U_XV * (j < nV).astype(f32)
         decay_K = load_decay(sdec_s.at[slot])
         Y_RV = y_acc[...]
         if keep:
@@ -261,7 +306,7 @@ def scan_forward_mosaic(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int,
       o_OV, S_KV = pl.run_scoped(products, plgpu.ACC((R, BV), f32), plgpu.ACC((R - lo, BV), f32),
                                  plgpu.ACC((K, BV), f32))
       # Every read of this slot is done: refill it with the chunk `stages` ahead.
-      @pl.when(c + stages < N)
+      @pl.when(c + stages < Ns)
       def _():
         fetch(c + stages, slot)
 
@@ -271,11 +316,21 @@ def scan_forward_mosaic(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int,
       plgpu.wait_smem_to_gmem(1 + 2 * keep, wait_read_only=True)
       out[...] = o_OV.astype(out_dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out.at[pl.ds(first, C)], o_g.at[b, rows, h, cols])
+      if P == 1:
+        plgpu.copy_smem_to_gmem(out.at[pl.ds(first, C)], o_g.at[b, rows, h, cols])
+      else:
+        @pl.when(j < nV)
+        def _():
+          plgpu.copy_smem_to_gmem(out.at[pl.ds(first, C)], o_g.at[b, rows, h, cols])
+
+        @pl.when(j >= nV)
+        def _():
+          plgpu.copy_smem_to_gmem(out.at[pl.ds(first, C)],
+                                  ohom_g.at[b, pl.ds((start - Ns + c) * C, C), h, pl.ds((j - nV) * BV, BV)])
       return S_KV
 
-    S_KV = lax.fori_loop(0, N, step, S_KV)
-    Sfin_g.at[b, h, :, cols][...] = S_KV
+    S_KV = lax.fori_loop(0, Ns, step, S_KV)
+    Sfin_g.at[bp, h, :, cols][...] = S_KV
     plgpu.wait_smem_to_gmem(0)
 
   scratch = [
@@ -289,10 +344,15 @@ def scan_forward_mosaic(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int,
       plgpu.SMEM((2, R - lo, BV), out_dtype, transforms=smem_transforms(out_dtype, BV)),  # O on its way out
       plgpu.Barrier(num_arrivals=FORWARD_COPIES, num_barriers=stages),  # the copies of one chunk
   ]
-  out_type = [jax.ShapeDtypeStruct((B, T, H, V), out_dtype), jax.ShapeDtypeStruct((B, H, K, V), f32)]
+  out_type = [jax.ShapeDtypeStruct((B, T, H, V), out_dtype)]
+  if P > 1:
+    out_type += [jax.ShapeDtypeStruct((B, T - Ns * C, H, K), out_dtype),
+                 jax.ShapeDtypeStruct((B * P, H, K, V + K), f32)]
+  else:
+    out_type += [jax.ShapeDtypeStruct((B, H, K, V), f32)]
   if keep:
     out_type += [jax.ShapeDtypeStruct((B, H, N, K, V), bf), jax.ShapeDtypeStruct((B, H, T, V), bf)]
-  run = launch(body, tuple(out_type), scratch, grid=(V // BV, H, B), interpret=interpret,
-               name="kda_scan_fwd_mosaic")
-  out = run(W, U, qg, kd, Aqk, sdec, S0)
-  return tuple(out) if keep else (*out, None, None)
+  blocks = nV + (K // BV if P > 1 else 0)
+  run = launch(body, tuple(out_type), scratch, grid=(blocks, H, B * P), interpret=interpret,
+               name="kda_scan_fwd_mosaic" if P == 1 else "kda_scan_fwd_mosaic_split")
+  return tuple(run(W, U, qg, kd, Aqk, sdec, S0))

@@ -53,6 +53,10 @@ class Config:
   # against 7.761; session 23). A forward kept for the backward pass never merges: the backward reads
   # the state at every chunk.
   merge_chunks: bool = False
+  # The forward alone, on the Mosaic lowering: the state pass walks the chunks in this many segments at
+  # once and corrects the later segments by their entering states (mosaic_scan_split), for more programs
+  # where B * H * V / 32 leaves most of the SMs idle. None: see `segments`.
+  scan_segments: int | None = None
 
   def __post_init__(self):
     for name in ("block", "block_fwd", "block_grads", "block_v_fwd", "block_v_bwd"):
@@ -61,6 +65,9 @@ class Config:
         raise ValueError(f"Config.{name} must be a power of two >= 16 (Triton tiles), got {n!r}")
     if not isinstance(self.merge_chunks, bool):
       raise ValueError(f"Config.merge_chunks must be True or False, got {self.merge_chunks!r}")
+    n = self.scan_segments
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+      raise ValueError(f"Config.scan_segments must be None or a positive int, got {self.scan_segments!r}")
     if not isinstance(self.mosaic_slots, int) or self.mosaic_slots < 1:
       raise ValueError(f"Config.mosaic_slots must be a positive int, got {self.mosaic_slots!r}")
     for name in ("scan_fwd_lowering", "scan_bwd_lowering"):
@@ -103,6 +110,10 @@ class Config:
       return chosen
     return "triton" if why is not None or interpret else "mosaic"
 
+  def segments(self, B: int, H: int, V: int) -> int:
+    """Segments of the forward-only Mosaic state pass (mosaic_scan_split): scan_segments if set, else 1."""
+    return self.scan_segments or 1
+
   def mosaic_block_v(self, V: int, backward: bool = False) -> int:
     """The Mosaic scans' V block: 32 columns, at every batch size. 16 took 1.8x as long in the forward at
     B=2 T=8192 H=16, chunk 32; at B=1, where 16 doubles the programs from 64 to 128 for the H200's 132
@@ -136,6 +147,7 @@ class _Static:
   interpret: bool
   cfg: Config
   scan_cfg: Config | None = None  # with merge_chunks: the config at the state pass's doubled chunk
+  segments: int = 1  # of the forward-only Mosaic state pass (Config.segments)
 
   def block(self, *widths):
     return min(self.cfg.block, *widths)
@@ -156,7 +168,8 @@ def _forward(st: _Static, q, k, v, g, beta, S0, doc, keep: bool):
   if scan_cfg.scan_lowering(scan_chunk, K, V, st.store_dtype, st.interpret) == "mosaic":
     o, S_fin, states, Vp = mosaic_scan.scan_forward_mosaic(
         W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype, block_v=scan_cfg.mosaic_block_v(V),
-        stages=scan_cfg.mosaic_slots, states_dtype=states_dtype, interpret=st.interpret)
+        stages=scan_cfg.mosaic_slots, states_dtype=states_dtype, interpret=st.interpret,
+        segments=1 if keep else st.segments)
   else:
     block_v = scan_cfg.block_v(scan_cfg.block_v_fwd, q.shape[0], q.shape[2], V)
     o, S_fin, states, Vp = scan_forward(W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype, block_v=block_v,
@@ -237,12 +250,15 @@ def chunk_kda_pallas(q, k, v, g, beta, scale, initial_state, reset_BT, *, chunk_
   s = _static_scale(scale)
   if s is None:
     q, s = q * scale, 1.0
+  segments = config.segments(B, H, V)
   st = _Static(chunk=C, scale=s, prec=tiles.precision_for(store_dtype), store_dtype=store_dtype,
-               out_dtype=jnp.dtype(v.dtype), interpret=bool(interpret), cfg=cfg, scan_cfg=scan_cfg)
+               out_dtype=jnp.dtype(v.dtype), interpret=bool(interpret), cfg=cfg, scan_cfg=scan_cfg,
+               segments=segments)
 
-  N = -(-T // C)
-  if config.merge_chunks:
-    N += N % 2  # whole pairs: the padded chunk's zero k, v, beta and g leave the state as it is
+  # Whole pairs of chunks to merge, whole segments of them: padded chunks' zero k, v, beta and g leave
+  # the state as it is.
+  whole = (2 if config.merge_chunks else 1) * segments
+  N = -(-T // (C * whole)) * whole
   Kp, Vp = limits.padded_width(K), limits.padded_width(V)
   pad = lambda x, width: jnp.pad(x, [(0, 0), (0, N * C - T), (0, 0), (0, width - x.shape[-1])])
   qp, kp, gp = (pad(x.astype(store_dtype) if x is not g else x, Kp) for x in (q, k, g))

@@ -1,0 +1,83 @@
+"""KDA's forward state pass in P segments walked at once (the forward alone: no states kept).
+
+The pass is sequential over chunks, one program per (V block, head, batch row): at B=1 H=16 V=128 that is
+64 programs for the H200's 132 SMs, walking every chunk of the row one after another. The state pass is
+affine in the state it starts from. Per chunk c of a segment entered with state S,
+  S_c = A_c S_{c-1} + B_c,   o_c = F_c S_{c-1} + G_c,
+so a segment's outputs and final state are those of the segment walked from zero (its local pass) plus
+linear maps of S: o = o_local + o_hom S and S_end = S_local + Phi S. o_hom and Phi are what the same pass
+gives walked from the identity with U = 0 (its homogeneous pass: V' = -W S, the K columns of the
+identity as K more value columns).
+
+So the kernel (mosaic_scan.scan_kernel with segments) walks all P segments at once: segment 0 from the
+caller's state, segments 1..P-1 from zero plus their homogeneous passes, P (V + K) / BV programs per
+head and row instead of V / BV, each over N / P chunks. Then the segments' entering states one after
+another (P - 1 small [K,K] x [K,V] products per head, in XLA), and a Triton kernel (`add_entering`) adds
+o_hom S to the outputs of segments 1..P-1 in place. (In XLA, that update of the kernel's output, a
+dynamic-update-slice, made XLA 0.11.2's GPU compiler fuse it with the Mosaic call and then fail on a
+cycle; a concatenate would rewrite the whole output.)
+
+Document starts need nothing more: the prep kernel's operands already carry them (a start zeroes what
+enters from before it), and they are operands of both passes alike.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.kda import mosaic_scan
+
+
+def scan_forward_segmented(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int, stages: int,
+                           segments: int, interpret=False):
+  """(o [B,T,H,V] in out_dtype, S_fin [B,H,K,V] float32, None, None), as scan_forward_mosaic returns
+  them without kept states, from the chunks walked in `segments` segments at once (module docstring).
+  The number of chunks must divide by `segments` (the op pads to whole segments)."""
+  B, H, T, K = W.shape
+  V = U.shape[-1]
+  P = segments
+  if not isinstance(P, int) or P < 2:
+    raise ValueError(f"segments must be an int >= 2 here, got {P!r}")
+  # Row b*P + p enters segment p of row b: the caller's state for p = 0, else zero; its last K columns
+  # start the homogeneous pass from the identity (segment 0 runs none).
+  S0_local = jnp.zeros((B, P, H, K, V), jnp.float32).at[:, 0].set(S0.astype(jnp.float32))
+  eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, P, H, K, K))
+  S0_ext = jnp.concatenate([S0_local, eye], axis=-1).reshape(B * P, H, K, V + K)
+  o, o_hom, S_ext = mosaic_scan.scan_kernel(W, U, qg, kd, Aqk, sdec, S0_ext, out_dtype=out_dtype,
+                                            block_v=block_v, stages=stages, segments=P, interpret=interpret)
+  S_ext = S_ext.reshape(B, P, H, K, V + K)
+  S_local, Phi = S_ext[..., :V], S_ext[..., V:]
+  # The state entering segments 1..P-1: segment p leaves S_local[p] + Phi[p] (what entered it).
+  entering, S = [], S_local[:, 0]
+  for p in range(1, P):
+    entering.append(S)
+    S = S_local[:, p] + jnp.einsum("bhkj,bhjv->bhkv", Phi[:, p], S)
+  S_in = jnp.stack(entering, axis=1)  # [B, P-1, H, K, V]
+  return add_entering(o, o_hom, S_in, interpret=bool(interpret)), S, None, None
+
+
+def add_entering(o, o_hom, S_in, *, interpret: bool):
+  """o [B,T,H,V] with o_hom [B,T-T/P,H,K] @ S_in [B,P-1,H,K,V] added to the rows of segments 1..P-1,
+  summed in float32, over o's buffer. One program per (row block, V block, head, batch row)."""
+  B, T, H, V = o.shape
+  P = S_in.shape[1] + 1
+  Ts = T // P
+  BT = min(64, Ts & -Ts)  # rows per program: a power of two dividing the segment
+  BV = min(64, V)
+  if BT < 16 or V % BV:
+    raise ValueError(f"segments of {Ts} rows and V = {V} do not tile into the correction's blocks")
+
+  def kernel(o_ref, hom_ref, S_ref, out_ref):
+    t, j, h, b = (pl.program_id(i) for i in range(4))
+    rows, cols = pl.ds(t * BT, BT), pl.ds(j * BV, BV)
+    S_KV = S_ref[b, (t * BT) // Ts, h, :, cols]
+    fix = jax.lax.dot(hom_ref[b, rows, h, :].astype(jnp.float32), S_KV,
+                      preferred_element_type=jnp.float32)
+    at = (b, pl.ds(Ts + t * BT, BT), h, cols)
+    out_ref[at] = (o_ref[at].astype(jnp.float32) + fix).astype(out_ref.dtype)
+
+  return pl.pallas_call(
+      kernel, grid=((T - Ts) // BT, V // BV, H, B), out_shape=jax.ShapeDtypeStruct(o.shape, o.dtype),
+      input_output_aliases={0: 0}, interpret=interpret, name="kda_segments_add_entering",
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(o, o_hom, S_in)
