@@ -219,21 +219,25 @@ def test_segmented_state_pass_in_the_op(segments, lengths):
   seg = None if lengths is None else jnp.asarray(ids_from_lengths(list(lengths)))[None]
   config = Config(scan_fwd_lowering="mosaic", scan_segments=segments)
   got = run("kernel", qkvgb, S0, seg, C=32, config=config)
-  whole = run("kernel", qkvgb, S0, seg, C=32, config=Config(scan_fwd_lowering="mosaic"))
+  one = Config(scan_fwd_lowering="mosaic", scan_segments=1)
+  whole = run("kernel", qkvgb, S0, seg, C=32, config=one)
   want = run("recurrent", tuple(x.astype(jnp.float32) for x in qkvgb), S0, seg, C=32)
   for a, w, e in zip(got, whole, want, strict=True):
     assert a.shape == e.shape and a.dtype == w.dtype
     assert rel_err(a, e) <= 1e-2
     assert rel_err(a, w) <= 3e-3
   grads = value_and_vjp(qkvgb, S0, seg, cot, impl="kernel", C=32, config=config)
-  grads_whole = value_and_vjp(qkvgb, S0, seg, cot, impl="kernel", C=32,
-                              config=Config(scan_fwd_lowering="mosaic"))
+  grads_whole = value_and_vjp(qkvgb, S0, seg, cot, impl="kernel", C=32, config=one)
   jax.tree.map(np.testing.assert_array_equal, grads, grads_whole)
 
 
 def test_scan_segments_setting():
-  assert Config().segments(1, 16, 128) == 1
-  assert Config(scan_segments=2).segments(1, 16, 128) == 2
+  # Two where the whole pass has at most 64 programs of 32 columns (16 where V is 16), else one.
+  assert Config().segments(1, 16, 128) == 2
+  assert Config().segments(1, 16, 16) == 2
+  assert Config().segments(2, 16, 128) == 1
+  assert Config(scan_segments=1).segments(1, 16, 128) == 1
+  assert Config(scan_segments=4).segments(2, 16, 128) == 4
   for bad in (0, True, 1.5, "2"):
     with pytest.raises(ValueError, match="scan_segments"):
       Config(scan_segments=bad)

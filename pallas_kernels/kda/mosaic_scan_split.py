@@ -58,13 +58,16 @@ def scan_forward_segmented(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: i
 
 
 def add_entering(o, o_hom, S_in, *, interpret: bool):
-  """o [B,T,H,V] with o_hom [B,T-T/P,H,K] @ S_in [B,P-1,H,K,V] added to the rows of segments 1..P-1,
-  summed in float32, over o's buffer. One program per (row block, V block, head, batch row)."""
+  """o [B,T,H,V] with o_hom [B,T-T/P,H,K] @ S_in [B,P-1,H,K,V] added to the rows of segments 1..P-1 over
+  o's buffer: the product from bf16 operands, as the state pass's own products take them, the sum in
+  float32. One program per (row block, V block, head, batch row). On the H200 at B=1 T=131072 H=16
+  K=V=128 this took 0.27 ms against 0.67 with float32 operands (session 28, adhoc timing)."""
   B, T, H, V = o.shape
+  K = o_hom.shape[-1]
   P = S_in.shape[1] + 1
   Ts = T // P
   BT = min(64, Ts & -Ts)  # rows per program: a power of two dividing the segment
-  BV = min(64, V)
+  BV = min(V, 128 if K <= 128 else 64)  # the [K, BV] state block stays in registers
   if BT < 16 or V % BV:
     raise ValueError(f"segments of {Ts} rows and V = {V} do not tile into the correction's blocks")
 
@@ -72,7 +75,7 @@ def add_entering(o, o_hom, S_in, *, interpret: bool):
     t, j, h, b = (pl.program_id(i) for i in range(4))
     rows, cols = pl.ds(t * BT, BT), pl.ds(j * BV, BV)
     S_KV = S_ref[b, (t * BT) // Ts, h, :, cols]
-    fix = jax.lax.dot(hom_ref[b, rows, h, :].astype(jnp.float32), S_KV,
+    fix = jax.lax.dot(hom_ref[b, rows, h, :].astype(jnp.bfloat16), S_KV.astype(jnp.bfloat16),
                       preferred_element_type=jnp.float32)
     at = (b, pl.ds(Ts + t * BT, BT), h, cols)
     out_ref[at] = (o_ref[at].astype(jnp.float32) + fix).astype(out_ref.dtype)

@@ -111,8 +111,14 @@ class Config:
     return "triton" if why is not None or interpret else "mosaic"
 
   def segments(self, B: int, H: int, V: int) -> int:
-    """Segments of the forward-only Mosaic state pass (mosaic_scan_split): scan_segments if set, else 1."""
-    return self.scan_segments or 1
+    """Segments of the forward-only Mosaic state pass (mosaic_scan_split): scan_segments if set, else 2
+    where the whole pass has at most 64 programs (half an H100's or H200's SMs), else 1. On the H200 at
+    B=1 H=16 V=128 (64 programs) 2 segments took the forward from 1.978 to 1.901 ms at T=32768 and from
+    7.823 to 7.501 at T=131072, and 4 to 1.905 and 7.948 (session 28, with a slower correction kernel
+    than now); more programs were not timed."""
+    if self.scan_segments is not None:
+      return self.scan_segments
+    return 2 if B * H * (V // self.mosaic_block_v(V)) <= 64 else 1
 
   def mosaic_block_v(self, V: int, backward: bool = False) -> int:
     """The Mosaic scans' V block: 32 columns, at every batch size. 16 took 1.8x as long in the forward at
@@ -250,7 +256,11 @@ def chunk_kda_pallas(q, k, v, g, beta, scale, initial_state, reset_BT, *, chunk_
   s = _static_scale(scale)
   if s is None:
     q, s = q * scale, 1.0
-  segments = config.segments(B, H, V)
+  Kp, Vp = limits.padded_width(K), limits.padded_width(V)
+  # Segments where the forward's state pass runs on Mosaic (the Triton pass has its own V blocks).
+  scan_at = (scan_cfg, 2 * C) if config.merge_chunks else (cfg, C)
+  mosaic = scan_at[0].scan_lowering(scan_at[1], Kp, Vp, store_dtype, interpret) == "mosaic"
+  segments = config.segments(B, H, Vp) if mosaic else 1
   st = _Static(chunk=C, scale=s, prec=tiles.precision_for(store_dtype), store_dtype=store_dtype,
                out_dtype=jnp.dtype(v.dtype), interpret=bool(interpret), cfg=cfg, scan_cfg=scan_cfg,
                segments=segments)
@@ -259,7 +269,6 @@ def chunk_kda_pallas(q, k, v, g, beta, scale, initial_state, reset_BT, *, chunk_
   # the state as it is.
   whole = (2 if config.merge_chunks else 1) * segments
   N = -(-T // (C * whole)) * whole
-  Kp, Vp = limits.padded_width(K), limits.padded_width(V)
   pad = lambda x, width: jnp.pad(x, [(0, 0), (0, N * C - T), (0, 0), (0, width - x.shape[-1])])
   qp, kp, gp = (pad(x.astype(store_dtype) if x is not g else x, Kp) for x in (q, k, g))
   vp = pad(v.astype(store_dtype), Vp)
