@@ -15,7 +15,7 @@ from references import doc_lengths, ids_from_lengths
 from pallas_kernels.kda import chunk_kda
 from pallas_kernels.kda import pallas_tiles as tiles
 from pallas_kernels.kda.inputs import resets
-from pallas_kernels.kda.pallas_op import Config, chunk_kda_pallas
+from pallas_kernels.kda.pallas_op import MIN_SEGMENTED_CHUNKS, Config, chunk_kda_pallas
 
 LB = -5.0
 
@@ -232,12 +232,19 @@ def test_segmented_state_pass_in_the_op(segments, lengths):
 
 
 def test_scan_segments_setting():
-  # Two where the whole pass has at most 64 programs of 32 columns (16 where V is 16), else one.
-  assert Config().segments(1, 16, 128) == 2
-  assert Config().segments(1, 16, 16) == 2
-  assert Config().segments(2, 16, 128) == 1
-  assert Config(scan_segments=1).segments(1, 16, 128) == 1
-  assert Config(scan_segments=4).segments(2, 16, 128) == 4
+  long = MIN_SEGMENTED_CHUNKS
+  # Two where the whole pass has at most 64 programs of 32 columns (16 where V is 16) over a long row,
+  # else one.
+  assert Config().segments(1, 16, 128, 128, long) == 2
+  assert Config().segments(1, 16, 128, 16, long) == 2
+  assert Config().segments(2, 16, 128, 128, long) == 1
+  assert Config().segments(1, 16, 128, 128, long - 1) == 1
+  # The homogeneous pass walks K in V blocks: none where they do not divide K.
+  assert Config(block_v_fwd=128).segments(1, 1, 64, 128, long) == 1
+  with pytest.raises(ValueError, match="V blocks that divide K"):
+    Config(block_v_fwd=128, scan_segments=2).segments(1, 1, 64, 128, long)
+  assert Config(scan_segments=1).segments(1, 16, 128, 128, long) == 1
+  assert Config(scan_segments=4).segments(2, 16, 128, 128, 4) == 4
   for bad in (0, True, 1.5, "2"):
     with pytest.raises(ValueError, match="scan_segments"):
       Config(scan_segments=bad)
@@ -342,9 +349,14 @@ MERGE_CASES = {
     # Every gate at the bound: a pair's decay e^-320 underflows to zero, as a chunk's would.
     "T64-C16-bound": dict(T=64, C=16, H=1, K=16, V=16, docs=None, gate=LB, dtype=jnp.float32,
                           config=Config(block=16, block_fwd=16)),
-    # bf16 with the Mosaic state pass at the merged chunk of 64.
+    # bf16 with the Mosaic state pass at the merged chunk of 64, in one pass and in two segments (whose
+    # pairs of chunks are padded to whole segments).
     "T100-C32-bf16-mosaic": dict(T=100, C=32, H=1, K=64, V=64, docs=[32, 20, 48], gate=None,
-                                 dtype=jnp.bfloat16, config=Config(scan_fwd_lowering="mosaic")),
+                                 dtype=jnp.bfloat16,
+                                 config=Config(scan_fwd_lowering="mosaic", scan_segments=1)),
+    "T100-C32-bf16-mosaic-segments": dict(T=100, C=32, H=1, K=64, V=64, docs=[32, 20, 48], gate=None,
+                                          dtype=jnp.bfloat16,
+                                          config=Config(scan_fwd_lowering="mosaic", scan_segments=2)),
 }
 
 

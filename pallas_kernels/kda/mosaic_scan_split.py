@@ -52,7 +52,7 @@ def scan_forward_segmented(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: i
   entering, S = [], S_local[:, 0]
   for p in range(1, P):
     entering.append(S)
-    S = S_local[:, p] + jnp.einsum("bhkj,bhjv->bhkv", Phi[:, p], S)
+    S = S_local[:, p] + jnp.einsum("bhkj,bhjv->bhkv", Phi[:, p], S, precision=jax.lax.Precision.HIGHEST)
   S_in = jnp.stack(entering, axis=1)  # [B, P-1, H, K, V]
   return add_entering(o, o_hom, S_in, interpret=bool(interpret)), S, None, None
 
@@ -67,7 +67,7 @@ def add_entering(o, o_hom, S_in, *, interpret: bool):
   P = S_in.shape[1] + 1
   Ts = T // P
   BT = min(64, Ts & -Ts)  # rows per program: a power of two dividing the segment
-  BV = min(V, 128 if K <= 128 else 64)  # the [K, BV] state block stays in registers
+  BV = min(V & -V, 128 if K <= 128 else 64)  # the [K, BV] state block stays in registers
   if BT < 16 or V % BV:
     raise ValueError(f"segments of {Ts} rows and V = {V} do not tile into the correction's blocks")
 

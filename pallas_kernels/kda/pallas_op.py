@@ -110,15 +110,22 @@ class Config:
       return chosen
     return "triton" if why is not None or interpret else "mosaic"
 
-  def segments(self, B: int, H: int, V: int) -> int:
-    """Segments of the forward-only Mosaic state pass (mosaic_scan_split): scan_segments if set, else 2
-    where the whole pass has at most 64 programs (half an H100's or H200's SMs), else 1. On the H200 at
-    B=1 H=16 V=128 (64 programs) 2 segments took the forward from 1.978 to 1.901 ms at T=32768 and from
+  def segments(self, B: int, H: int, K: int, V: int, N: int) -> int:
+    """Segments of the forward-only Mosaic state pass (mosaic_scan_split) over N chunks of (padded)
+    widths K and V: scan_segments if set, else 2 where the whole pass has at most 64 programs (half an
+    H100's or H200's SMs) and the row at least MIN_SEGMENTED_CHUNKS chunks, else 1. On the H200 at B=1
+    H=16 V=128 (64 programs) 2 segments took the forward from 1.978 to 1.901 ms at T=32768 and from
     7.823 to 7.501 at T=131072, and 4 to 1.905 and 7.948 (session 28, with a slower correction kernel
-    than now); more programs were not timed."""
+    than now); more programs and shorter rows were not timed. The homogeneous pass's V blocks must divide
+    K (ValueError otherwise, where scan_segments asks for segments)."""
+    block = self.mosaic_block_v(V)
     if self.scan_segments is not None:
+      if self.scan_segments > 1 and K % block:
+        raise ValueError(f"Config.scan_segments={self.scan_segments} needs V blocks that divide K: "
+                         f"{block} and {K}")
       return self.scan_segments
-    return 2 if B * H * (V // self.mosaic_block_v(V)) <= 64 else 1
+    fits = B * H * (V // block) <= 64 and N >= MIN_SEGMENTED_CHUNKS and K % block == 0
+    return 2 if fits else 1
 
   def mosaic_block_v(self, V: int, backward: bool = False) -> int:
     """The Mosaic scans' V block: 32 columns, at every batch size. 16 took 1.8x as long in the forward at
@@ -134,6 +141,10 @@ class Config:
       chosen = 32 if B * H * (V // 32) >= 128 else 16
     return min(chosen, V)
 
+
+# Rows shorter than this keep one forward state pass by default: segments were timed at 1024 and 4096
+# chunks; at a few chunks the extra kernels and the padding to whole segments weigh more.
+MIN_SEGMENTED_CHUNKS = 256
 
 _AT_32 = dict(prep_fwd=Tuning(4, 1), block_fwd=128, state_grads=Tuning(4, 1), prep_bwd=Tuning(2, 1),
               scan_fwd=Tuning(4, 3), scan_bwd=Tuning(4, 3))
@@ -260,7 +271,7 @@ def chunk_kda_pallas(q, k, v, g, beta, scale, initial_state, reset_BT, *, chunk_
   # Segments where the forward's state pass runs on Mosaic (the Triton pass has its own V blocks).
   scan_at = (scan_cfg, 2 * C) if config.merge_chunks else (cfg, C)
   mosaic = scan_at[0].scan_lowering(scan_at[1], Kp, Vp, store_dtype, interpret) == "mosaic"
-  segments = config.segments(B, H, Vp) if mosaic else 1
+  segments = config.segments(B, H, Kp, Vp, -(-T // scan_at[1])) if mosaic else 1
   st = _Static(chunk=C, scale=s, prec=tiles.precision_for(store_dtype), store_dtype=store_dtype,
                out_dtype=jnp.dtype(v.dtype), interpret=bool(interpret), cfg=cfg, scan_cfg=scan_cfg,
                segments=segments)
