@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 
 from pallas_kernels.short_conv import Blocks, conv_silu, short_conv
 from pallas_kernels.short_conv.reference import l2_normalize
@@ -66,10 +66,14 @@ def test_interpret_matches_xla_reference(seed, T, channels, W, packed, normalize
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**16), T=st.integers(1, 40), channels=st.sampled_from([(24,), (2, 16), (3, 5)]),
        W=st.sampled_from([2, 4]), packed=st.booleans(), bf16=st.booleans(), normalize=st.booleans())
+@example(seed=228, T=35, channels=(3, 5), W=2, packed=False, bf16=True, normalize=True)
 def test_xla_backward_matches_autodiff(seed, T, channels, W, packed, bf16, normalize):
   """The "xla" path's hand-written backward pass (short_conv_vjp, reference.l2_normalize_vjp) against
   autodiff of the same forward: rows shorter than the taps, one-token documents, bf16 (whose rounding
-  of the convolution before the SiLU, and of the SiLU before the norm, both must see alike)."""
+  of the convolution before the SiLU, and of the SiLU before the norm, both must see alike). In bf16
+  each leaf is judged against its own scale: dw sums up to 2 x 40 bf16-rounded products per tap, so an
+  entry can be off by a few hundredths of the leaf's largest (seed 228: 0.057 where the largest is
+  11.3, the leaf's norm-relative error 4.3e-3)."""
   eps = 1e-6 if normalize else None
   rng = np.random.default_rng(seed)
   B, dt = 2, jnp.bfloat16 if bf16 else jnp.float32
@@ -80,8 +84,14 @@ def test_xla_backward_matches_autodiff(seed, T, channels, W, packed, bf16, norma
   got = jax.jit(lambda *a: fwd_and_grads("xla", *a, out_dtype=dt, eps=eps))(x, w, doc, dy)
   want = jax.jit(lambda *a: fwd_and_grads("autodiff", *a, out_dtype=dt, eps=eps))(x, w, doc, dy)
   assert got[1].dtype == dt and got[2].dtype == jnp.float32
-  tol = 2e-2 if bf16 else 1e-5
-  chex.assert_trees_all_close(got, want, rtol=tol, atol=tol)
+  if not bf16:
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+    return
+  for g, e in zip(got, want, strict=True):
+    g, e = np.asarray(g, np.float64), np.asarray(e, np.float64)
+    scale = max(np.abs(e).max(), 1.0)
+    np.testing.assert_allclose(g, e, rtol=2e-2, atol=2e-2 * scale)
+    assert np.linalg.norm(g - e) <= 1e-2 * max(np.linalg.norm(e), 1.0)
 
 
 @pytest.mark.parametrize("eps", [None, 1e-6])
