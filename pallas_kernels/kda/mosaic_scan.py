@@ -246,92 +246,92 @@ def scan_kernel(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int, stages:
     states_g, Vp_g = refs[:2] if keep else (None, None)
     Wq_s, kd_s, U_s, Aqk_s, sdec_s, S_s, Vp_s, o_s, loaded = refs[2 * keep:]
     j, h, bp = lax.axis_index("v"), lax.axis_index("h"), lax.axis_index("b")
-    b, p = lax.div(bp, P), lax.rem(bp, P)
+    b, p = (lax.div(bp, P), lax.rem(bp, P)) if P > 1 else (bp, 0)
     cols = pl.ds(j * BV, BV)
     # A homogeneous block (j >= nV) reads any U block and zeroes it.
     u_cols = pl.ds(jnp.minimum(j, nV - 1) * BV, BV) if P > 1 else cols
     start = p * Ns  # the segment's first chunk
 
-    @pl.when(jnp.logical_or(j < nV, p > 0))
-    def _():
-      walk(b, h, j, bp, p, start, cols, u_cols, W_g, U_g, qg_g, kd_g, Aqk_g, sdec_g, S0_g, o_g, ohom_g,
-           Sfin_g, states_g, Vp_g, Wq_s, kd_s, U_s, Aqk_s, sdec_s, S_s, Vp_s, o_s, loaded)
+    def walk():
+      def fetch(c, slot):
+        fetch_forward((W_g, U_g, qg_g, kd_g, Aqk_g, sdec_g),
+                      tuple(x.at[slot] for x in (Wq_s, kd_s, U_s, Aqk_s, sdec_s)),
+                      b=b, h=h, c=start + c, cols=u_cols, C=C, first=first, bar=loaded.at[slot])
 
-  def walk(b, h, j, bp, p, start, cols, u_cols, W_g, U_g, qg_g, kd_g, Aqk_g, sdec_g, S0_g, o_g, ohom_g,
-           Sfin_g, states_g, Vp_g, Wq_s, kd_s, U_s, Aqk_s, sdec_s, S_s, Vp_s, o_s, loaded):
-    def fetch(c, slot):
-      fetch_forward((W_g, U_g, qg_g, kd_g, Aqk_g, sdec_g),
-                    tuple(x.at[slot] for x in (Wq_s, kd_s, U_s, Aqk_s, sdec_s)),
-                    b=b, h=h, c=start + c, cols=u_cols, C=C, first=first, bar=loaded.at[slot])
+      for slot in range(stages):
+        fetch(slot, slot)
+      S_KV = plgpu.load(S0_g.at[bp, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
 
-    for slot in range(stages):
-      fetch(slot, slot)
-    S_KV = plgpu.load(S0_g.at[bp, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
-
-    def step(c, S_KV):
-      slot = lax.rem(c, stages)
-      plgpu.barrier_wait(loaded.at[slot])
-      rows = pl.ds((start + c) * C, C)
-      if keep:
-        # Stores go out per chunk as state, V', O; leaving only the last two (V', O) unfinished makes
-        # sure the last state store has read S_s.
-        plgpu.wait_smem_to_gmem(2, wait_read_only=True)
-      S_s[...] = S_KV.astype(bf)
-      plgpu.commit_smem()  # the bf16 state must be visible to the tensor cores (and to TMA)
-      if keep:
-        plgpu.copy_smem_to_gmem(S_s, states_g.at[b, h, c, :, cols])
-
-      def products(y_acc, o_acc, s_acc):
-        # [W; qg] S in one wgmma: rows [0, C) are W S, rows [C, 2C) qg S.
-        plgpu.wgmma(y_acc, Wq_s.at[slot], S_s)
-        U_XV = U_s.at[slot][...].astype(f32)
-        if P > 1:
-          U_XV = U_XV * (j < nV).astype(f32)
-        decay_K = load_decay(sdec_s.at[slot])
-        Y_RV = y_acc[...]
+      def step(c, S_KV):
+        slot = lax.rem(c, stages)
+        plgpu.barrier_wait(loaded.at[slot])
+        rows = pl.ds((start + c) * C, C)
         if keep:
-          # Likewise for the last V' store, which the last O store and this chunk's state store follow.
+          # Stores go out per chunk as state, V', O; leaving only the last two (V', O) unfinished makes
+          # sure the last state store has read S_s.
           plgpu.wait_smem_to_gmem(2, wait_read_only=True)
-        # Rows past C of V' are garbage (U was not loaded there) and are never read back.
-        Vp_s[...] = (U_XV - Y_RV[:X]).astype(bf)
-        plgpu.commit_smem()
+        S_s[...] = S_KV.astype(bf)
+        plgpu.commit_smem()  # the bf16 state must be visible to the tensor cores (and to TMA)
         if keep:
-          plgpu.copy_smem_to_gmem(Vp_s.at[pl.ds(0, C)], Vp_g.at[b, h, rows, cols])
-        # A_qk sits in the rows of its tile that line up with qg S in Y_RV[lo:].
-        plgpu.wgmma(o_acc, Aqk_s.at[slot], Vp_s.at[pl.ds(0, C)])
-        plgpu.wgmma(s_acc, kd_s.at[slot].transpose((1, 0)), Vp_s.at[pl.ds(0, C)])
-        S_dec = scale_rows(S_KV, decay_K)  # overlaps the two wgmmas
-        return Y_RV[lo:] + o_acc[...], S_dec + s_acc[...]
+          plgpu.copy_smem_to_gmem(S_s, states_g.at[b, h, c, :, cols])
 
-      o_OV, S_KV = pl.run_scoped(products, plgpu.ACC((R, BV), f32), plgpu.ACC((R - lo, BV), f32),
-                                 plgpu.ACC((K, BV), f32))
-      # Every read of this slot is done: refill it with the chunk `stages` ahead.
-      @pl.when(c + stages < Ns)
-      def _():
-        fetch(c + stages, slot)
+        def products(y_acc, o_acc, s_acc):
+          # [W; qg] S in one wgmma: rows [0, C) are W S, rows [C, 2C) qg S.
+          plgpu.wgmma(y_acc, Wq_s.at[slot], S_s)
+          U_XV = U_s.at[slot][...].astype(f32)
+          if P > 1:
+            U_XV = U_XV * (j < nV).astype(f32)
+          decay_K = load_decay(sdec_s.at[slot])
+          Y_RV = y_acc[...]
+          if keep:
+            # Likewise for the last V' store, which the last O store and this chunk's state store follow.
+            plgpu.wait_smem_to_gmem(2, wait_read_only=True)
+          # Rows past C of V' are garbage (U was not loaded there) and are never read back.
+          Vp_s[...] = (U_XV - Y_RV[:X]).astype(bf)
+          plgpu.commit_smem()
+          if keep:
+            plgpu.copy_smem_to_gmem(Vp_s.at[pl.ds(0, C)], Vp_g.at[b, h, rows, cols])
+          # A_qk sits in the rows of its tile that line up with qg S in Y_RV[lo:].
+          plgpu.wgmma(o_acc, Aqk_s.at[slot], Vp_s.at[pl.ds(0, C)])
+          plgpu.wgmma(s_acc, kd_s.at[slot].transpose((1, 0)), Vp_s.at[pl.ds(0, C)])
+          S_dec = scale_rows(S_KV, decay_K)  # overlaps the two wgmmas
+          return Y_RV[lo:] + o_acc[...], S_dec + s_acc[...]
 
-      # The O store issued two chunks ago used this output tile; the previous one may still be in flight
-      # (in keep mode, so may this chunk's state and V' stores issued after it).
-      out = o_s.at[lax.rem(c, 2)]
-      plgpu.wait_smem_to_gmem(1 + 2 * keep, wait_read_only=True)
-      out[...] = o_OV.astype(out_dtype)
-      plgpu.commit_smem()
-      if P == 1:
-        plgpu.copy_smem_to_gmem(out.at[pl.ds(first, C)], o_g.at[b, rows, h, cols])
-      else:
-        @pl.when(j < nV)
+        o_OV, S_KV = pl.run_scoped(products, plgpu.ACC((R, BV), f32), plgpu.ACC((R - lo, BV), f32),
+                                   plgpu.ACC((K, BV), f32))
+        # Every read of this slot is done: refill it with the chunk `stages` ahead.
+        @pl.when(c + stages < Ns)
         def _():
+          fetch(c + stages, slot)
+
+        # The O store issued two chunks ago used this output tile; the previous one may still be in flight
+        # (in keep mode, so may this chunk's state and V' stores issued after it).
+        out = o_s.at[lax.rem(c, 2)]
+        plgpu.wait_smem_to_gmem(1 + 2 * keep, wait_read_only=True)
+        out[...] = o_OV.astype(out_dtype)
+        plgpu.commit_smem()
+        if P == 1:
           plgpu.copy_smem_to_gmem(out.at[pl.ds(first, C)], o_g.at[b, rows, h, cols])
+        else:
+          @pl.when(j < nV)
+          def _():
+            plgpu.copy_smem_to_gmem(out.at[pl.ds(first, C)], o_g.at[b, rows, h, cols])
 
-        @pl.when(j >= nV)
-        def _():
-          plgpu.copy_smem_to_gmem(out.at[pl.ds(first, C)],
-                                  ohom_g.at[b, pl.ds((start - Ns + c) * C, C), h, pl.ds((j - nV) * BV, BV)])
-      return S_KV
+          @pl.when(j >= nV)
+          def _():
+            plgpu.copy_smem_to_gmem(out.at[pl.ds(first, C)],
+                                    ohom_g.at[b, pl.ds((start - Ns + c) * C, C), h, pl.ds((j - nV) * BV, BV)])
+        return S_KV
 
-    S_KV = lax.fori_loop(0, Ns, step, S_KV)
-    Sfin_g.at[bp, h, :, cols][...] = S_KV
-    plgpu.wait_smem_to_gmem(0)
+      S_KV = lax.fori_loop(0, Ns, step, S_KV)
+      Sfin_g.at[bp, h, :, cols][...] = S_KV
+      plgpu.wait_smem_to_gmem(0)
+
+    if P == 1:
+      walk()
+    else:
+      # Segment 0 walks no homogeneous pass: its programs for those blocks have nothing to do.
+      pl.when(jnp.logical_or(j < nV, p > 0))(walk)
 
   scratch = [
       plgpu.SMEM((stages, R, K), bf, transforms=mma(K)),      # [W; qg]
