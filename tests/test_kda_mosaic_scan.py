@@ -19,7 +19,14 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.kda_backend import TITLE  # noqa: E402
 from benchmarks.report import replace_section  # noqa: E402
-from pallas_kernels.kda.mosaic_scan import scan_forward_mosaic, scan_kernel, smem_bytes, unsupported  # noqa: E402
+from pallas_kernels.kda.mosaic_scan import (  # noqa: E402
+  scan_forward_mosaic,
+  scan_kernel,
+  segment_length,
+  segmented_chunks,
+  smem_bytes,
+  unsupported,
+)
 from pallas_kernels.kda.mosaic_scan_bwd import (  # noqa: E402
   scan_backward_mosaic,
   smem_bytes_backward,
@@ -217,9 +224,11 @@ def test_needs_a_slot():
 
 
 # (segments, chunks, chunk, V width, V block, slots, input dtype): two segments of two chunks, three of
-# one (fewer chunks than slots), four of two with several V blocks per segment and two per K.
+# one (fewer chunks than slots), four of two with several V blocks per segment and two per K; uneven:
+# 4 + 1 chunks (the last segment has fewer than the slots), 3 + 3 + 2 at one slot.
 SEGMENT_CASES = [(2, 4, 32, 64, 32, 2, jnp.bfloat16), (3, 3, 16, 32, 32, 2, jnp.float32),
-                 (4, 8, 32, 64, 16, 3, jnp.bfloat16)]
+                 (4, 8, 32, 64, 16, 3, jnp.bfloat16), (2, 5, 32, 64, 32, 2, jnp.bfloat16),
+                 (3, 8, 32, 64, 32, 1, jnp.float32)]
 
 
 @pytest.mark.parametrize("P,N,C,V,block_v,stages,dtype", SEGMENT_CASES)
@@ -239,7 +248,7 @@ def test_segments_match_the_recurrence_and_the_whole_pass(P, N, C, V, block_v, s
   o_one, S_one = scan_forward_mosaic(*inputs, out_dtype=jnp.float32, block_v=block_v, stages=stages,
                                      interpret=True)[:2]
   # Segment 0 walks as the whole pass does, from the same state: the same products in the same order.
-  first = o.shape[1] // P
+  first = segment_length(N, P, C) * C
   np.testing.assert_array_equal(o[:, :first], o_one[:, :first])
   assert rel(o, o_one) < 5e-3 and rel(S, S_one) < 5e-3
 
@@ -249,10 +258,32 @@ def test_segments_refuse_what_they_cannot_split():
   with pytest.raises(ValueError, match="keeps no states"):
     scan_forward_mosaic(*inputs, out_dtype=jnp.bfloat16, block_v=32, states_dtype=jnp.bfloat16, segments=3,
                         interpret=True)
-  with pytest.raises(ValueError, match="whole segments"):
-    scan_forward_mosaic(*inputs, out_dtype=jnp.bfloat16, block_v=32, segments=2, interpret=True)
+  with pytest.raises(ValueError, match="a chunk in every segment"):
+    scan_forward_mosaic(*inputs, out_dtype=jnp.bfloat16, block_v=32, segments=4, interpret=True)
   with pytest.raises(ValueError, match="segments must be an int >= 2"):
     scan_forward_mosaic(*inputs, out_dtype=jnp.bfloat16, block_v=32, segments=0, interpret=True)
+
+
+def test_segment_lengths():
+  """Segments 0..P-2 get Ns chunks and the last one the rest, from 1 to Ns; Ns is N / P rounded up, to an
+  even count at chunk 32 (whole 64-row blocks) where the last segment keeps a chunk. segmented_chunks pads
+  a row that no Ns can split to P Ns' chunks."""
+  for N in range(1, 70):
+    for P in range(2, 9):
+      for C in (16, 32, 64):
+        Ns = segment_length(N, P, C)
+        if Ns is None:
+          assert (P - 1) * -(-N // P) >= N
+          padded = segmented_chunks(N, P, C)
+          assert padded == P * -(-N // P) and segment_length(padded, P, C) is not None
+          continue
+        assert segmented_chunks(N, P, C) == N
+        assert 1 <= N - (P - 1) * Ns <= Ns
+        up = -(-N // P)
+        per_block = max(1, 64 // C)
+        rounded = -(-up // per_block) * per_block
+        assert Ns == (rounded if (P - 1) * rounded < N else up)
+  assert segment_length(4096, 3, 32) == 1366 and segment_length(4096, 2, 32) == 2048
 
 
 @pytest.mark.parametrize("segments", [2, 4])

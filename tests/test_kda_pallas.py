@@ -206,18 +206,19 @@ def test_mosaic_state_pass_matches_triton_in_the_op(fwd, bwd, lengths):
     assert rel_err(a, e) <= 1e-2
 
 
-@pytest.mark.parametrize("segments,lengths", [(2, (41, 60, 49)), (3, None), (4, (150,))])
-def test_segmented_state_pass_in_the_op(segments, lengths):
+@pytest.mark.parametrize("segments,slots,lengths", [(2, None, (41, 60, 49)), (3, None, None), (4, 2, (150,))])
+def test_segmented_state_pass_in_the_op(segments, slots, lengths):
   """The forward alone with its Mosaic state pass in segments (interpret mode): bf16 data, mild gates so
-  that states carry across segments, initial and final state, T = 150 padded to whole segments, documents
-  that start inside segments. Within the bf16 target of the float32 recurrence and close to the
-  unsegmented op; the gradient path keeps its states and never segments, so its values and gradients
-  are the unsegmented op's exactly."""
+  that states carry across segments, initial and final state, documents that start inside segments.
+  T = 150 is five chunks: segments of 4 + 1 and 2 + 2 + 1 chunks, and for four segments the row padded
+  to 8 chunks. Within the bf16 target of the float32 recurrence and close to the unsegmented op; the
+  gradient path keeps its states and never segments, so its values and gradients are the unsegmented
+  op's exactly."""
   B, T, H, K, V = 1, 150, 1, 64, 64
   qkvgb, S0, cot = make_inputs(8, B, T, H, K, V, dtype=jnp.bfloat16, gate=-0.02)
   cot = (cot[0].astype(jnp.bfloat16), cot[1])
   seg = None if lengths is None else jnp.asarray(ids_from_lengths(list(lengths)))[None]
-  config = Config(scan_fwd_lowering="mosaic", scan_segments=segments)
+  config = Config(scan_fwd_lowering="mosaic", scan_segments=segments, segment_slots=slots)
   got = run("kernel", qkvgb, S0, seg, C=32, config=config)
   one = Config(scan_fwd_lowering="mosaic", scan_segments=1)
   whole = run("kernel", qkvgb, S0, seg, C=32, config=one)
@@ -233,10 +234,10 @@ def test_segmented_state_pass_in_the_op(segments, lengths):
 
 def test_scan_segments_setting():
   long = MIN_SEGMENTED_CHUNKS
-  # Two where the whole pass has at most 64 programs of 32 columns (16 where V is 16) over a long row,
+  # Three where the whole pass has at most 64 programs of 32 columns (16 where V is 16) over a long row,
   # else one.
-  assert Config().segments(1, 16, 128, 128, long) == 2
-  assert Config().segments(1, 16, 128, 16, long) == 2
+  assert Config().segments(1, 16, 128, 128, long) == 3
+  assert Config().segments(1, 16, 128, 16, long) == 3
   assert Config().segments(2, 16, 128, 128, long) == 1
   assert Config().segments(1, 16, 128, 128, long - 1) == 1
   # The homogeneous pass walks K in V blocks: none where they do not divide K.
@@ -248,6 +249,21 @@ def test_scan_segments_setting():
   for bad in (0, True, 1.5, "2"):
     with pytest.raises(ValueError, match="scan_segments"):
       Config(scan_segments=bad)
+  # Their slots: one from three segments on (three programs an SM), else the scans' own.
+  assert Config().segment_slots_for(3) == Config().segment_slots_for(4) == 1
+  assert Config(mosaic_slots=3).segment_slots_for(2) == 3
+  assert Config(segment_slots=2).segment_slots_for(3) == 2
+  for bad in (0, True, 1.5, "2"):
+    with pytest.raises(ValueError, match="segment_slots"):
+      Config(segment_slots=bad)
+
+
+def test_segment_slots_that_do_not_fit_are_refused():
+  qkvgb, _, _ = make_inputs(1, 1, 64, 1, 128, 128, dtype=jnp.bfloat16)
+  config = Config(scan_fwd_lowering="mosaic", scan_segments=2, segment_slots=8)
+  with pytest.raises(ValueError, match="2 segments at 8 slots: .*shared memory"):
+    chunk_kda_pallas(*qkvgb, 128**-0.5, None, None, chunk_size=32, output_final_state=False, interpret=True,
+                     config=config)
 
 
 def test_interpret_mode_differentiates_under_remat_at_mosaic_shapes():

@@ -205,16 +205,35 @@ def scan_forward_mosaic(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int,
   return (o, S_fin, *kept) if kept else (o, S_fin, None, None)
 
 
+def segment_length(N: int, P: int, C: int) -> int | None:
+  """Chunks in each of segments 0..P-2 when a row of N chunks of C rows is walked in P segments; the last
+  segment takes the other N - (P - 1) Ns, from 1 to Ns. Ns is N / P rounded up, and further up to whole
+  64-row blocks (the rows of a program of mosaic_scan_split.add_entering) where the last segment keeps a
+  chunk. None where no Ns leaves the last segment a chunk (N = 4, P = 3): pad the row to
+  segmented_chunks."""
+  Ns = -(-N // P)
+  per_block = max(1, ROWS // C)
+  rounded = -(-Ns // per_block) * per_block
+  if (P - 1) * rounded < N:
+    return rounded
+  return Ns if (P - 1) * Ns < N else None
+
+
+def segmented_chunks(N: int, P: int, C: int) -> int:
+  """The fewest chunks, at least N, that a row can be walked in P segments over (segment_length)."""
+  return N if segment_length(N, P, C) is not None else P * -(-N // P)
+
+
 def scan_kernel(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int, stages: int, states_dtype=None,
                 segments: int = 1, interpret=False):
   """The forward pass's kernel. With segments = 1: (o, S_fin) or (o, S_fin, states, V') as
-  scan_forward_mosaic returns them. With P = segments > 1 the N chunks split into P segments of N/P, all
-  walked at once, each from its own state S0 [B*P,H,K,V+K] (row b*P + p: segment p of batch row b),
-  and K more column blocks per segment walk the homogeneous pass: U read as zero, from S0's last K
-  columns (the identity, where the caller wants the segment's transition). Returns (o [B,T,H,V] of the
-  local passes, the homogeneous passes' outputs [B,T-T/P,H,K] of segments 1..P-1, the final states
-  [B*P,H,K,V+K]); segment 0's homogeneous programs do not run, their final state columns are left
-  unwritten."""
+  scan_forward_mosaic returns them. With P = segments > 1 the N chunks split into P segments (Ns =
+  segment_length chunks each, the last the rest), all walked at once, each from its own state S0
+  [B*P,H,K,V+K] (row b*P + p: segment p of batch row b), and K more column blocks per segment walk the
+  homogeneous pass: U read as zero, from S0's last K columns (the identity, where the caller wants the
+  segment's transition). Returns (o [B,T,H,V] of the local passes, the homogeneous passes' outputs
+  [B,T-Ns*C,H,K] of segments 1..P-1, the final states [B*P,H,K,V+K]); segment 0's homogeneous programs
+  do not run, their final state columns are left unwritten."""
   B, H, T, K = W.shape
   V = U.shape[-1]
   C = Aqk.shape[-1]
@@ -223,10 +242,11 @@ def scan_kernel(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int, stages:
   P = segments
   keep = states_dtype is not None
   check_scan(K, C, BV, V, T, stages, bf16_stores=(("states_dtype", states_dtype),) if keep else ())
-  if P > 1 and (keep or N % P or K % BV):
-    raise ValueError(f"a scan in {P} segments needs no kept states, whole segments ({N} chunks) and V "
-                     f"blocks ({BV}) that divide K ({K})")
-  Ns = N // P
+  Ns = segment_length(N, P, C) if P > 1 else N
+  if P > 1 and (keep or Ns is None or K % BV):
+    raise ValueError(f"a scan in {P} segments needs no kept states, a chunk in every segment ({N} chunks) "
+                     f"and V blocks ({BV}) that divide K ({K})")
+  last = N - (P - 1) * Ns  # chunks of the last segment
   nV = V // BV
   stages = min(stages, Ns)
   R, lo, X = tile_rows(C)
@@ -251,6 +271,8 @@ def scan_kernel(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int, stages:
     # A homogeneous block (j >= nV) reads any U block and zeroes it.
     u_cols = pl.ds(jnp.minimum(j, nV - 1) * BV, BV) if P > 1 else cols
     start = p * Ns  # the segment's first chunk
+    # Its chunks: a traced count only where the last segment is shorter.
+    n = Ns if last == Ns else jnp.where(p == P - 1, last, Ns)
 
     def walk():
       def fetch(c, slot):
@@ -259,7 +281,10 @@ def scan_kernel(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int, stages:
                       b=b, h=h, c=start + c, cols=u_cols, C=C, first=first, bar=loaded.at[slot])
 
       for slot in range(stages):
-        fetch(slot, slot)
+        if slot < last:
+          fetch(slot, slot)
+        else:
+          pl.when(slot < n)(functools.partial(fetch, slot, slot))
       S_KV = plgpu.load(S0_g.at[bp, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
 
       def step(c, S_KV):
@@ -300,7 +325,7 @@ def scan_kernel(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int, stages:
         o_OV, S_KV = pl.run_scoped(products, plgpu.ACC((R, BV), f32), plgpu.ACC((R - lo, BV), f32),
                                    plgpu.ACC((K, BV), f32))
         # Every read of this slot is done: refill it with the chunk `stages` ahead.
-        @pl.when(c + stages < Ns)
+        @pl.when(c + stages < n)
         def _():
           fetch(c + stages, slot)
 
@@ -323,7 +348,7 @@ def scan_kernel(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int, stages:
                                     ohom_g.at[b, pl.ds((start - Ns + c) * C, C), h, pl.ds((j - nV) * BV, BV)])
         return S_KV
 
-      S_KV = lax.fori_loop(0, Ns, step, S_KV)
+      S_KV = lax.fori_loop(0, n, step, S_KV)
       Sfin_g.at[bp, h, :, cols][...] = S_KV
       plgpu.wait_smem_to_gmem(0)
 

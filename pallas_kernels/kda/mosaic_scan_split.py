@@ -32,8 +32,9 @@ from pallas_kernels.kda import mosaic_scan
 def scan_forward_segmented(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int, stages: int,
                            segments: int, interpret=False):
   """(o [B,T,H,V] in out_dtype, S_fin [B,H,K,V] float32, None, None), as scan_forward_mosaic returns
-  them without kept states, from the chunks walked in `segments` segments at once (module docstring).
-  The number of chunks must divide by `segments` (the op pads to whole segments)."""
+  them without kept states, from the chunks walked in `segments` segments at once (module docstring):
+  mosaic_scan.segment_length chunks each, the last segment the rest. The number of chunks must leave the
+  last segment one (mosaic_scan.segmented_chunks; the op pads to that)."""
   B, H, T, K = W.shape
   V = U.shape[-1]
   P = segments
@@ -58,18 +59,19 @@ def scan_forward_segmented(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: i
 
 
 def add_entering(o, o_hom, S_in, *, interpret: bool):
-  """o [B,T,H,V] with o_hom [B,T-T/P,H,K] @ S_in [B,P-1,H,K,V] added to the rows of segments 1..P-1 over
-  o's buffer: the product from bf16 operands, as the state pass's own products take them, the sum in
-  float32. One program per (row block, V block, head, batch row). On the H200 at B=1 T=131072 H=16
-  K=V=128 this took 0.27 ms against 0.67 with float32 operands (session 28, adhoc timing)."""
+  """o [B,T,H,V] with o_hom [B,T-Ts,H,K] @ S_in [B,P-1,H,K,V] added to the rows of segments 1..P-1 over
+  o's buffer, segment p being rows [p Ts, (p + 1) Ts) (the last one ends at T): the product from bf16
+  operands, as the state pass's own products take them, the sum in float32. One program per (row block,
+  V block, head, batch row). On the H200 at B=1 T=131072 H=16 K=V=128 this took 0.27 ms against 0.67
+  with float32 operands (session 28, adhoc timing)."""
   B, T, H, V = o.shape
   K = o_hom.shape[-1]
-  P = S_in.shape[1] + 1
-  Ts = T // P
-  BT = min(64, Ts & -Ts)  # rows per program: a power of two dividing the segment
+  Ts = T - o_hom.shape[1]
+  # Rows per program: a power of two dividing every segment, so that each block has one entering state.
+  BT = min(64, Ts & -Ts, (T - Ts) & -(T - Ts))
   BV = min(V & -V, 128 if K <= 128 else 64)  # the [K, BV] state block stays in registers
   if BT < 16 or V % BV:
-    raise ValueError(f"segments of {Ts} rows and V = {V} do not tile into the correction's blocks")
+    raise ValueError(f"segments of {Ts} rows in {T} and V = {V} do not tile into the correction's blocks")
 
   def kernel(o_ref, hom_ref, S_ref, out_ref):
     t, j, h, b = (pl.program_id(i) for i in range(4))

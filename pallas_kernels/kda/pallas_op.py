@@ -57,6 +57,8 @@ class Config:
   # once and corrects the later segments by their entering states (mosaic_scan_split), for more programs
   # where B * H * V / 32 leaves most of the SMs idle. None: see `segments`.
   scan_segments: int | None = None
+  # TMA slots of that segmented pass; None: see `segment_slots_for`.
+  segment_slots: int | None = None
 
   def __post_init__(self):
     for name in ("block", "block_fwd", "block_grads", "block_v_fwd", "block_v_bwd"):
@@ -70,6 +72,9 @@ class Config:
       raise ValueError(f"Config.scan_segments must be None or a positive int, got {self.scan_segments!r}")
     if not isinstance(self.mosaic_slots, int) or self.mosaic_slots < 1:
       raise ValueError(f"Config.mosaic_slots must be a positive int, got {self.mosaic_slots!r}")
+    n = self.segment_slots
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+      raise ValueError(f"Config.segment_slots must be None or a positive int, got {n!r}")
     for name in ("scan_fwd_lowering", "scan_bwd_lowering"):
       if getattr(self, name) not in (None, "triton", "mosaic"):
         raise ValueError(f"Config.{name} must be None, 'triton' or 'mosaic', got {getattr(self, name)!r}")
@@ -125,7 +130,18 @@ class Config:
                          f"{block} and {K}")
       return self.scan_segments
     fits = B * H * (V // block) <= 64 and N >= MIN_SEGMENTED_CHUNKS and K % block == 0
-    return 2 if fits else 1
+    return 3 if fits else 1
+
+  def segment_slots_for(self, segments: int) -> int:
+    """TMA slots of the segmented forward pass: segment_slots if set, else 1 from 3 segments on and
+    mosaic_slots below. At K = 128, chunk 32 and 32-column V blocks a program then needs 53 KiB of shared
+    memory instead of 85, so that an SM holds 3 of them (as their registers allow) instead of 2: 3
+    segments at B=1 H=16 V=128 are 320 programs, more than 2 x 132 SMs. On the H200 at T=131072 the
+    3-segment kernel alone took 2.57 ms at one slot against the 2-segment one's 3.23 at two (session
+    29, an ad-hoc probe)."""
+    if self.segment_slots is not None:
+      return self.segment_slots
+    return 1 if segments >= 3 else self.mosaic_slots
 
   def mosaic_block_v(self, V: int, backward: bool = False) -> int:
     """The Mosaic scans' V block: 32 columns, at every batch size. 16 took 1.8x as long in the forward at
@@ -185,8 +201,8 @@ def _forward(st: _Static, q, k, v, g, beta, S0, doc, keep: bool):
   if scan_cfg.scan_lowering(scan_chunk, K, V, st.store_dtype, st.interpret) == "mosaic":
     o, S_fin, states, Vp = mosaic_scan.scan_forward_mosaic(
         W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype, block_v=scan_cfg.mosaic_block_v(V),
-        stages=scan_cfg.mosaic_slots, states_dtype=states_dtype, interpret=st.interpret,
-        segments=1 if keep else st.segments)
+        stages=scan_cfg.mosaic_slots if keep or st.segments == 1 else scan_cfg.segment_slots_for(st.segments),
+        states_dtype=states_dtype, interpret=st.interpret, segments=1 if keep else st.segments)
   else:
     block_v = scan_cfg.block_v(scan_cfg.block_v_fwd, q.shape[0], q.shape[2], V)
     o, S_fin, states, Vp = scan_forward(W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype, block_v=block_v,
@@ -272,14 +288,19 @@ def chunk_kda_pallas(q, k, v, g, beta, scale, initial_state, reset_BT, *, chunk_
   scan_at = (scan_cfg, 2 * C) if config.merge_chunks else (cfg, C)
   mosaic = scan_at[0].scan_lowering(scan_at[1], Kp, Vp, store_dtype, interpret) == "mosaic"
   segments = config.segments(B, H, Kp, Vp, -(-T // scan_at[1])) if mosaic else 1
+  if segments > 1:
+    slots = scan_at[0].segment_slots_for(segments)
+    why = mosaic_scan.unsupported(Kp, scan_at[1], scan_at[0].mosaic_block_v(Vp), Vp, store_dtype, slots)
+    if why is not None:
+      raise ValueError(f"the forward's state pass cannot run in {segments} segments at {slots} slots: {why}")
   st = _Static(chunk=C, scale=s, prec=tiles.precision_for(store_dtype), store_dtype=store_dtype,
                out_dtype=jnp.dtype(v.dtype), interpret=bool(interpret), cfg=cfg, scan_cfg=scan_cfg,
                segments=segments)
 
-  # Whole pairs of chunks to merge, whole segments of them: padded chunks' zero k, v, beta and g leave
-  # the state as it is.
-  whole = (2 if config.merge_chunks else 1) * segments
-  N = -(-T // (C * whole)) * whole
+  # Whole pairs of chunks to merge, and a chunk (or pair) for every segment: padded chunks' zero k, v,
+  # beta and g leave the state as it is.
+  pair = 2 if config.merge_chunks else 1
+  N = mosaic_scan.segmented_chunks(-(-T // (C * pair)), segments, scan_at[1]) * pair
   pad = lambda x, width: jnp.pad(x, [(0, 0), (0, N * C - T), (0, 0), (0, width - x.shape[-1])])
   qp, kp, gp = (pad(x.astype(store_dtype) if x is not g else x, Kp) for x in (q, k, g))
   vp = pad(v.astype(store_dtype), Vp)
