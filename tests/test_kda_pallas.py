@@ -206,16 +206,17 @@ def test_mosaic_state_pass_matches_triton_in_the_op(fwd, bwd, lengths):
     assert rel_err(a, e) <= 1e-2
 
 
-@pytest.mark.parametrize("segments,slots,lengths", [(2, None, (41, 60, 49)), (3, None, None), (4, 2, (150,))])
-def test_segmented_state_pass_in_the_op(segments, slots, lengths):
+@pytest.mark.parametrize("segments,slots,lengths,gate",
+                         [(2, None, (41, 60, 49), -0.02), (3, None, None, LB), (4, 2, (150,), -0.02)])
+def test_segmented_state_pass_in_the_op(segments, slots, lengths, gate):
   """The forward alone with its Mosaic state pass in segments (interpret mode): bf16 data, mild gates so
-  that states carry across segments, initial and final state, documents that start inside segments.
-  T = 150 is five chunks: segments of 4 + 1 and 2 + 2 + 1 chunks, and for four segments the row padded
-  to 8 chunks. Within the bf16 target of the float32 recurrence and close to the unsegmented op; the
-  gradient path keeps its states and never segments, so its values and gradients are the unsegmented
-  op's exactly."""
+  that states carry across segments (or every gate at the bound), initial and final state, documents
+  that start inside segments. T = 150 is five chunks: segments of 4 + 1 and 2 + 2 + 1 chunks, and for
+  four segments the row padded to 8 chunks. Within the bf16 target of the float32 recurrence and close
+  to the unsegmented op; the gradient path keeps its states and never segments, so its values and
+  gradients are the unsegmented op's exactly."""
   B, T, H, K, V = 1, 150, 1, 64, 64
-  qkvgb, S0, cot = make_inputs(8, B, T, H, K, V, dtype=jnp.bfloat16, gate=-0.02)
+  qkvgb, S0, cot = make_inputs(8, B, T, H, K, V, dtype=jnp.bfloat16, gate=gate)
   cot = (cot[0].astype(jnp.bfloat16), cot[1])
   seg = None if lengths is None else jnp.asarray(ids_from_lengths(list(lengths)))[None]
   config = Config(scan_fwd_lowering="mosaic", scan_segments=segments, segment_slots=slots)

@@ -11,11 +11,12 @@ identity as K more value columns).
 
 So the kernel (mosaic_scan.scan_kernel with segments) walks all P segments at once: segment 0 from the
 caller's state, segments 1..P-1 from zero plus their homogeneous passes, P (V + K) / BV programs per
-head and row instead of V / BV, each over N / P chunks. Then the segments' entering states one after
-another (P - 1 small [K,K] x [K,V] products per head, in XLA), and a Triton kernel (`add_entering`) adds
-o_hom S to the outputs of segments 1..P-1 in place. (In XLA, that update of the kernel's output, a
-dynamic-update-slice, made XLA 0.11.2's GPU compiler fuse it with the Mosaic call and then fail on a
-cycle; a concatenate would rewrite the whole output.)
+head and row instead of V / BV (less segment 0's K / BV, which have nothing to do), each over about
+N / P chunks (mosaic_scan.segment_length; the last segment takes the rest). Then the segments' entering
+states one after another (P - 1 small [K,K] x [K,V] products per head, in XLA), and a Triton kernel
+(`add_entering`) adds o_hom S to the outputs of segments 1..P-1 in place. (In XLA, that update of the
+kernel's output, a dynamic-update-slice, made XLA 0.11.2's GPU compiler fuse it with the Mosaic call and
+then fail on a cycle; a concatenate would rewrite the whole output.)
 
 Document starts need nothing more: the prep kernel's operands already carry them (a start zeroes what
 enters from before it), and they are operands of both passes alike.

@@ -117,12 +117,16 @@ class Config:
 
   def segments(self, B: int, H: int, K: int, V: int, N: int) -> int:
     """Segments of the forward-only Mosaic state pass (mosaic_scan_split) over N chunks of (padded)
-    widths K and V: scan_segments if set, else 2 where the whole pass has at most 64 programs (half an
+    widths K and V: scan_segments if set, else 3 where the whole pass has at most 64 programs (half an
     H100's or H200's SMs) and the row at least MIN_SEGMENTED_CHUNKS chunks, else 1. On the H200 at B=1
-    H=16 V=128 (64 programs) 2 segments took the forward from 1.978 to 1.901 ms at T=32768 and from
-    7.823 to 7.501 at T=131072, and 4 to 1.905 and 7.948 (session 28, with a slower correction kernel
-    than now); more programs and shorter rows were not timed. The homogeneous pass's V blocks must divide
-    K (ValueError otherwise, where scan_segments asks for segments)."""
+    H=16 V=128 (64 programs), T=131072, the state pass took 4.12 ms whole, 3.46 in 2 segments at 2
+    slots (kernel, entering states and correction) and 3.33 in 3 at one slot, with that kernel alone
+    2.57 against 3.23 (session 29, an ad-hoc probe, the 3 segments cut to equal ones then); 4
+    segments took 3.6-4.0. The op's forward on an H100 (two calls, fla in each): 3 segments 1.689 and
+    1.736 ms at T=32768, 6.764 and 6.911 at T=131072; 2 segments 1.787-1.864 and 7.063-7.389; one pass
+    1.905-1.941 and 7.537-7.758 (BENCHMARKS.md, "KDA kernel"). More programs and shorter rows were not
+    timed. The homogeneous pass's V blocks must divide K (ValueError otherwise, where scan_segments asks
+    for segments)."""
     block = self.mosaic_block_v(V)
     if self.scan_segments is not None:
       if self.scan_segments > 1 and K % block:
