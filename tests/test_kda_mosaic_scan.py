@@ -286,19 +286,20 @@ def test_segment_lengths():
   assert segment_length(4096, 3, 32) == 1366 and segment_length(4096, 2, 32) == 2048
 
 
-@pytest.mark.parametrize("segments", [2, 4])
-def test_segments_lower_for_cuda_at_a_long_row(segments):
+@pytest.mark.parametrize("segments,stages", [(2, 2), (4, 2), (3, 1)])
+def test_segments_lower_for_cuda_at_a_long_row(segments, stages):
   """B=1 T=32768 H=16 K=V=128, the shape segments are for: Mosaic GPU lowers the kernel with its
-  homogeneous programs and counts the shared memory of the unsegmented pass. (The Triton kernel that
-  then corrects the outputs lowers only where a GPU is, so the kernel is lowered alone.)"""
+  homogeneous programs and counts the shared memory of the unsegmented pass; three segments (342, 342
+  and 340 chunks) with the last one's trip count traced. (The Triton kernel that then corrects the
+  outputs lowers only where a GPU is, so the kernel is lowered alone.)"""
   bf = jnp.bfloat16
   sd = jax.ShapeDtypeStruct
   B, H, T, D, C = 1, 16, 32768, 128, 32
   bhtd = sd((B, H, T, D), bf)
   args = (bhtd, bhtd, bhtd, bhtd, sd((B, H, T, C), bf), sd((B, H, T // C, D), jnp.float32),
           sd((B * segments, H, D, 2 * D), jnp.float32))
-  f = jax.jit(lambda *a: scan_kernel(*a, out_dtype=bf, block_v=32, stages=2, segments=segments))
-  assert_lowers_counting_smem(f, args, smem_bytes(128, C, 32, 2, bf))
+  f = jax.jit(lambda *a: scan_kernel(*a, out_dtype=bf, block_v=32, stages=stages, segments=segments))
+  assert_lowers_counting_smem(f, args, smem_bytes(128, C, 32, stages, bf))
 
 
 @pytest.mark.parametrize("K,C,block_v,V",
