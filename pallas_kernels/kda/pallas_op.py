@@ -67,14 +67,12 @@ class Config:
         raise ValueError(f"Config.{name} must be a power of two >= 16 (Triton tiles), got {n!r}")
     if not isinstance(self.merge_chunks, bool):
       raise ValueError(f"Config.merge_chunks must be True or False, got {self.merge_chunks!r}")
-    n = self.scan_segments
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-      raise ValueError(f"Config.scan_segments must be None or a positive int, got {self.scan_segments!r}")
     if not isinstance(self.mosaic_slots, int) or self.mosaic_slots < 1:
       raise ValueError(f"Config.mosaic_slots must be a positive int, got {self.mosaic_slots!r}")
-    n = self.segment_slots
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-      raise ValueError(f"Config.segment_slots must be None or a positive int, got {n!r}")
+    for name in ("scan_segments", "segment_slots"):
+      n = getattr(self, name)
+      if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"Config.{name} must be None or a positive int, got {n!r}")
     for name in ("scan_fwd_lowering", "scan_bwd_lowering"):
       if getattr(self, name) not in (None, "triton", "mosaic"):
         raise ValueError(f"Config.{name} must be None, 'triton' or 'mosaic', got {getattr(self, name)!r}")
@@ -185,6 +183,7 @@ class _Static:
   cfg: Config
   scan_cfg: Config | None = None  # with merge_chunks: the config at the state pass's doubled chunk
   segments: int = 1  # of the forward-only Mosaic state pass (Config.segments)
+  segment_slots: int = 0  # and its TMA slots where segments > 1 (Config.segment_slots_for)
 
   def block(self, *widths):
     return min(self.cfg.block, *widths)
@@ -205,7 +204,7 @@ def _forward(st: _Static, q, k, v, g, beta, S0, doc, keep: bool):
   if scan_cfg.scan_lowering(scan_chunk, K, V, st.store_dtype, st.interpret) == "mosaic":
     o, S_fin, states, Vp = mosaic_scan.scan_forward_mosaic(
         W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype, block_v=scan_cfg.mosaic_block_v(V),
-        stages=scan_cfg.mosaic_slots if keep or st.segments == 1 else scan_cfg.segment_slots_for(st.segments),
+        stages=scan_cfg.mosaic_slots if keep or st.segments == 1 else st.segment_slots,
         states_dtype=states_dtype, interpret=st.interpret, segments=1 if keep else st.segments)
   else:
     block_v = scan_cfg.block_v(scan_cfg.block_v_fwd, q.shape[0], q.shape[2], V)
@@ -292,14 +291,14 @@ def chunk_kda_pallas(q, k, v, g, beta, scale, initial_state, reset_BT, *, chunk_
   scan_at = (scan_cfg, 2 * C) if config.merge_chunks else (cfg, C)
   mosaic = scan_at[0].scan_lowering(scan_at[1], Kp, Vp, store_dtype, interpret) == "mosaic"
   segments = config.segments(B, H, Kp, Vp, -(-T // scan_at[1])) if mosaic else 1
+  slots = scan_at[0].segment_slots_for(segments) if segments > 1 else 0
   if segments > 1:
-    slots = scan_at[0].segment_slots_for(segments)
     why = mosaic_scan.unsupported(Kp, scan_at[1], scan_at[0].mosaic_block_v(Vp), Vp, store_dtype, slots)
     if why is not None:
       raise ValueError(f"the forward's state pass cannot run in {segments} segments at {slots} slots: {why}")
   st = _Static(chunk=C, scale=s, prec=tiles.precision_for(store_dtype), store_dtype=store_dtype,
                out_dtype=jnp.dtype(v.dtype), interpret=bool(interpret), cfg=cfg, scan_cfg=scan_cfg,
-               segments=segments)
+               segments=segments, segment_slots=slots)
 
   # Whole pairs of chunks to merge, and a chunk (or pair) for every segment: padded chunks' zero k, v,
   # beta and g leave the state as it is.
