@@ -5,18 +5,23 @@ import statistics
 import time
 
 
-def time_ms(fn, *args, calls=None, repeats=None) -> float:
+def time_ms(fn, *args, calls=None, repeats=None, group_s=0.1, total_s=1.0) -> float:
   """Median over `repeats` of the mean time of `calls` back-to-back calls (one sync per group); by
-  default about 20 ms per group and 0.5 s in all, at least 3 groups. The first call (compilation)
-  is not timed."""
+  default about group_s per group and total_s in all, at least 3 groups. The first call (compilation)
+  is not timed.
+
+  A group's first call is dispatched with the device idle, so each group adds one dispatch to the
+  device's time; groups of many calls make that a small part. (At 20 ms a group, a 7 ms call ran in
+  groups of two, and the KDA op's forward at B=1 T=131072 timed 0.29 ms above its kernels' sum in a
+  profile; BENCHMARKS.md, "KDA kernel", session 30.)"""
   import jax
 
   jax.block_until_ready(fn(*args))
   t0 = time.perf_counter()
   jax.block_until_ready(fn(*args))
   once = time.perf_counter() - t0
-  calls = calls or max(1, min(20, int(0.02 / max(once, 1e-9))))
-  repeats = repeats or max(3, min(15, int(0.5 / max(once * calls, 1e-9))))
+  calls = calls or max(1, min(200, int(group_s / max(once, 1e-9))))
+  repeats = repeats or max(3, min(15, int(total_s / max(once * calls, 1e-9))))
   samples = []
   for _ in range(repeats):
     t0 = time.perf_counter()

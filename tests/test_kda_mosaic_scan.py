@@ -286,11 +286,12 @@ def test_segment_lengths():
   assert segment_length(4096, 3, 32) == 1366 and segment_length(4096, 2, 32) == 2048
 
 
-@pytest.mark.parametrize("segments,stages", [(2, 2), (4, 2), (3, 1)])
-def test_segments_lower_for_cuda_at_a_long_row(segments, stages):
+@pytest.mark.parametrize("segments,stages,block_v", [(2, 2, 32), (4, 2, 32), (3, 1, 32), (4, 1, 64)])
+def test_segments_lower_for_cuda_at_a_long_row(segments, stages, block_v):
   """B=1 T=32768 H=16 K=V=128, the shape segments are for: Mosaic GPU lowers the kernel with its
   homogeneous programs and counts the shared memory of the unsegmented pass; three segments (342, 342
-  and 340 chunks) with the last one's trip count traced. (The Triton kernel that then corrects the
+  and 340 chunks) with the last one's trip count traced; four of 64 columns at one slot, the op's
+  default at this shape. (The Triton kernel that then corrects the
   outputs lowers only where a GPU is, so the kernel is lowered alone.)"""
   bf = jnp.bfloat16
   sd = jax.ShapeDtypeStruct
@@ -298,8 +299,8 @@ def test_segments_lower_for_cuda_at_a_long_row(segments, stages):
   bhtd = sd((B, H, T, D), bf)
   args = (bhtd, bhtd, bhtd, bhtd, sd((B, H, T, C), bf), sd((B, H, T // C, D), jnp.float32),
           sd((B * segments, H, D, 2 * D), jnp.float32))
-  f = jax.jit(lambda *a: scan_kernel(*a, out_dtype=bf, block_v=32, stages=stages, segments=segments))
-  assert_lowers_counting_smem(f, args, smem_bytes(128, C, 32, stages, bf))
+  f = jax.jit(lambda *a: scan_kernel(*a, out_dtype=bf, block_v=block_v, stages=stages, segments=segments))
+  assert_lowers_counting_smem(f, args, smem_bytes(128, C, block_v, stages, bf))
 
 
 @pytest.mark.parametrize("K,C,block_v,V",

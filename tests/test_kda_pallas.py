@@ -181,6 +181,18 @@ def test_in_kernel_gate_cumsum_is_exact_to_float32_rounding(dtype):
     np.testing.assert_allclose(np.asarray(G.row(r)), want[r], rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("n", [2, 16, 32, 64])
+def test_solve_inverse_against_float64(n):
+  """pallas_tiles.inverse, (I + A)^{-1} by doubling for a strictly lower-triangular A, against float64,
+  at exact float32 dots, for entries of both signs and a row scale like the op's beta."""
+  rng = np.random.default_rng(n)
+  A = np.tril(rng.uniform(-1.0, 1.0, size=(n, n)), -1) * rng.uniform(0.0, 1.0, size=(n, 1)) / np.sqrt(n)
+  want = np.linalg.inv(np.eye(n) + A)
+  got = np.asarray(tiles.inverse(jnp.asarray(A, jnp.float32), tiles.precision_for(jnp.float32)))
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+  assert np.all(got[np.triu_indices(n, 1)] == 0) and np.all(np.diag(got) == 1)
+
+
 @pytest.mark.parametrize("fwd,bwd,lengths", [
     ("mosaic", "triton", (41, 59)), ("mosaic", "mosaic", (41, 59)), ("triton", "mosaic", (41, 59)),
     ("mosaic", "mosaic", (32, 20, 48))])
@@ -206,20 +218,22 @@ def test_mosaic_state_pass_matches_triton_in_the_op(fwd, bwd, lengths):
     assert rel_err(a, e) <= 1e-2
 
 
-@pytest.mark.parametrize("segments,slots,lengths,gate",
-                         [(2, None, (41, 60, 49), -0.02), (3, None, None, LB), (4, 2, (150,), -0.02)])
-def test_segmented_state_pass_in_the_op(segments, slots, lengths, gate):
+@pytest.mark.parametrize("segments,slots,block_v,lengths,gate",
+                         [(2, None, None, (41, 60, 49), -0.02), (3, None, 32, None, LB),
+                          (4, 2, None, (150,), -0.02)])
+def test_segmented_state_pass_in_the_op(segments, slots, block_v, lengths, gate):
   """The forward alone with its Mosaic state pass in segments (interpret mode): bf16 data, mild gates so
   that states carry across segments (or every gate at the bound), initial and final state, documents
   that start inside segments. T = 150 is five chunks: segments of 4 + 1 and 2 + 2 + 1 chunks, and for
-  four segments the row padded to 8 chunks. Within the bf16 target of the float32 recurrence and close
-  to the unsegmented op; the gradient path keeps its states and never segments, so its values and
-  gradients are the unsegmented op's exactly."""
+  four segments the row padded to 8 chunks; V blocks of 64 (the default here) and 32. Within the bf16
+  target of the float32 recurrence and close to the unsegmented op; the gradient path keeps its states
+  and never segments, so its values and gradients are the unsegmented op's exactly."""
   B, T, H, K, V = 1, 150, 1, 64, 64
   qkvgb, S0, cot = make_inputs(8, B, T, H, K, V, dtype=jnp.bfloat16, gate=gate)
   cot = (cot[0].astype(jnp.bfloat16), cot[1])
   seg = None if lengths is None else jnp.asarray(ids_from_lengths(list(lengths)))[None]
-  config = Config(scan_fwd_lowering="mosaic", scan_segments=segments, segment_slots=slots)
+  config = Config(scan_fwd_lowering="mosaic", scan_segments=segments, segment_slots=slots,
+                  segment_block_v=block_v)
   got = run("kernel", qkvgb, S0, seg, C=32, config=config)
   one = Config(scan_fwd_lowering="mosaic", scan_segments=1)
   whole = run("kernel", qkvgb, S0, seg, C=32, config=one)
@@ -235,10 +249,10 @@ def test_segmented_state_pass_in_the_op(segments, slots, lengths, gate):
 
 def test_scan_segments_setting():
   long = MIN_SEGMENTED_CHUNKS
-  # Three where the whole pass has at most 64 programs of 32 columns (16 where V is 16) over a long row,
+  # Four where the whole pass has at most 64 programs of 32 columns (16 where V is 16) over a long row,
   # else one.
-  assert Config().segments(1, 16, 128, 128, long) == 3
-  assert Config().segments(1, 16, 128, 16, long) == 3
+  assert Config().segments(1, 16, 128, 128, long) == 4
+  assert Config().segments(1, 16, 128, 16, long) == 4
   assert Config().segments(2, 16, 128, 128, long) == 1
   assert Config().segments(1, 16, 128, 128, long - 1) == 1
   # The homogeneous pass walks K in V blocks: none where they do not divide K.
@@ -250,6 +264,15 @@ def test_scan_segments_setting():
   for bad in (0, True, 1.5, "2"):
     with pytest.raises(ValueError, match="scan_segments"):
       Config(scan_segments=bad)
+  # Their V blocks: 64 where 64 divides K and V, else the scans' own; block_v_fwd or segment_block_v
+  # where set, at most V.
+  assert Config().segment_block_v_for(128, 128) == 64
+  assert Config().segment_block_v_for(128, 16) == 16 and Config().segment_block_v_for(96, 128) == 32
+  assert Config(block_v_fwd=16).segment_block_v_for(128, 128) == 16
+  assert Config(block_v_fwd=32, segment_block_v=128).segment_block_v_for(128, 64) == 64
+  assert Config(segment_block_v=32).segments(1, 16, 96, 128, long) == 4
+  with pytest.raises(ValueError, match="segment_block_v must be a power of two"):
+    Config(segment_block_v=48)
   # Their slots: one from three segments on (three programs an SM), else the scans' own.
   assert Config().segment_slots_for(3) == Config().segment_slots_for(4) == 1
   assert Config(mosaic_slots=3).segment_slots_for(2) == 3
@@ -262,7 +285,7 @@ def test_scan_segments_setting():
 def test_segment_slots_that_do_not_fit_are_refused():
   qkvgb, _, _ = make_inputs(1, 1, 64, 1, 128, 128, dtype=jnp.bfloat16)
   config = Config(scan_fwd_lowering="mosaic", scan_segments=2, segment_slots=8)
-  with pytest.raises(ValueError, match="2 segments at 8 slots: .*shared memory"):
+  with pytest.raises(ValueError, match="2 segments of 64 columns at 8 slots: .*shared memory"):
     chunk_kda_pallas(*qkvgb, 128**-0.5, None, None, chunk_size=32, output_final_state=False, interpret=True,
                      config=config)
 

@@ -59,9 +59,11 @@ class Config:
   scan_segments: int | None = None
   # TMA slots of that segmented pass; None: see `segment_slots_for`.
   segment_slots: int | None = None
+  # And its V columns per program; None: see `segment_block_v_for`.
+  segment_block_v: int | None = None
 
   def __post_init__(self):
-    for name in ("block", "block_fwd", "block_grads", "block_v_fwd", "block_v_bwd"):
+    for name in ("block", "block_fwd", "block_grads", "block_v_fwd", "block_v_bwd", "segment_block_v"):
       n = getattr(self, name)
       if n is not None and (not isinstance(n, int) or n < 16 or n & (n - 1)):
         raise ValueError(f"Config.{name} must be a power of two >= 16 (Triton tiles), got {n!r}")
@@ -115,32 +117,43 @@ class Config:
 
   def segments(self, B: int, H: int, K: int, V: int, N: int) -> int:
     """Segments of the forward-only Mosaic state pass (mosaic_scan_split) over N chunks of (padded)
-    widths K and V: scan_segments if set, else 3 where the whole pass has at most 64 programs (half an
-    H100's or H200's SMs) and the row at least MIN_SEGMENTED_CHUNKS chunks, else 1. On the H200 at B=1
-    H=16 V=128 (64 programs), T=131072, the state pass took 4.12 ms whole, 3.46 in 2 segments at 2
-    slots (kernel, entering states and correction) and 3.33 in 3 at one slot, with that kernel alone
-    2.57 against 3.23 (session 29, an ad-hoc probe, the 3 segments cut to equal ones then); 4
-    segments took 3.6-4.0. The op's forward on an H100 (two calls, fla in each): 3 segments 1.689 and
-    1.736 ms at T=32768, 6.764 and 6.911 at T=131072; 2 segments 1.787-1.864 and 7.063-7.389; one pass
-    1.905-1.941 and 7.537-7.758 (BENCHMARKS.md, "KDA kernel"). More programs and shorter rows were not
-    timed. The homogeneous pass's V blocks must divide K (ValueError otherwise, where scan_segments asks
+    widths K and V: scan_segments if set, else 4 where the whole pass has at most 64 programs (half an
+    H100's or H200's SMs) and the row at least MIN_SEGMENTED_CHUNKS chunks, else 1.
+
+    The op's forward at B=1 H=16 K=V=128 on an H100 (session 30, ours alone, BENCHMARKS.md "KDA
+    kernel"), ms at T=32768 / 131072, segments of 64 columns at one slot: 4 segments 1.549 / 6.032,
+    3 segments 1.728 / 6.680, 2 segments 1.833 / 7.232; of 32 columns: 3 segments 1.667 / 6.505 (the
+    default before), 4 segments 1.954 / 7.631. Four segments of 64 columns are 224 programs, which
+    the kernel's 255 registers let an H100's or H200's 132 SMs hold at once, two an SM; more would not
+    fit. The homogeneous pass's V blocks must divide K (ValueError otherwise, where scan_segments asks
     for segments)."""
-    block = self.mosaic_block_v(V)
+    block = self.segment_block_v_for(K, V)
     if self.scan_segments is not None:
       if self.scan_segments > 1 and K % block:
         raise ValueError(f"Config.scan_segments={self.scan_segments} needs V blocks that divide K: "
                          f"{block} and {K}")
       return self.scan_segments
-    fits = B * H * (V // block) <= 64 and N >= MIN_SEGMENTED_CHUNKS and K % block == 0
-    return 3 if fits else 1
+    fits = (B * H * (V // self.mosaic_block_v(V)) <= 64 and N >= MIN_SEGMENTED_CHUNKS
+            and K % block == 0)
+    return 4 if fits else 1
+
+  def segment_block_v_for(self, K: int, V: int) -> int:
+    """V columns per program of the segmented forward pass: segment_block_v if set, else block_v_fwd
+    if set, else 64 where 64 divides K and V (the homogeneous programs walk K in V blocks), else the
+    scans' own (mosaic_block_v). Against 32 columns, 64 halve the programs that each read a chunk's W,
+    qg and kd, and take wgmmas twice as wide (see `segments` for the timings)."""
+    chosen = self.segment_block_v or self.block_v_fwd
+    if chosen is not None:
+      return min(chosen, V)
+    return 64 if K % 64 == 0 and V % 64 == 0 else self.mosaic_block_v(V)
 
   def segment_slots_for(self, segments: int) -> int:
     """TMA slots of the segmented forward pass: segment_slots if set, else 1 from 3 segments on and
-    mosaic_slots below. At K = 128, chunk 32 and 32-column V blocks a program then needs 53 KiB of shared
-    memory instead of 85, so that an SM holds 3 of them (as their registers allow) instead of 2: 3
-    segments at B=1 H=16 V=128 are 320 programs, more than 2 x 132 SMs. On the H200 at T=131072 the
-    3-segment kernel alone took 2.57 ms at one slot against the 2-segment one's 3.23 at two (session
-    29, an ad-hoc probe)."""
+    mosaic_slots below. At K = 128 and chunk 32 a program then needs 53 KiB of shared memory instead of
+    85 with 32-column V blocks, and 77 instead of 113 with 64, so that an SM holds as many as their
+    registers allow (3 and 2) instead of 2 and 1. On the H200 at T=131072 the 3-segment kernel of 32
+    columns alone took 2.57 ms at one slot against the 2-segment one's 3.23 at two (session 29, an
+    ad-hoc probe)."""
     if self.segment_slots is not None:
       return self.segment_slots
     return 1 if segments >= 3 else self.mosaic_slots
@@ -184,6 +197,7 @@ class _Static:
   scan_cfg: Config | None = None  # with merge_chunks: the config at the state pass's doubled chunk
   segments: int = 1  # of the forward-only Mosaic state pass (Config.segments)
   segment_slots: int = 0  # and its TMA slots where segments > 1 (Config.segment_slots_for)
+  segment_block_v: int = 0  # and its V block (Config.segment_block_v_for)
 
   def block(self, *widths):
     return min(self.cfg.block, *widths)
@@ -203,7 +217,8 @@ def _forward(st: _Static, q, k, v, g, beta, S0, doc, keep: bool):
   scan_cfg, scan_chunk = (st.scan_cfg, 2 * st.chunk) if merge else (st.cfg, st.chunk)
   if scan_cfg.scan_lowering(scan_chunk, K, V, st.store_dtype, st.interpret) == "mosaic":
     o, S_fin, states, Vp = mosaic_scan.scan_forward_mosaic(
-        W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype, block_v=scan_cfg.mosaic_block_v(V),
+        W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype,
+        block_v=scan_cfg.mosaic_block_v(V) if keep or st.segments == 1 else st.segment_block_v,
         stages=scan_cfg.mosaic_slots if keep or st.segments == 1 else st.segment_slots,
         states_dtype=states_dtype, interpret=st.interpret, segments=1 if keep else st.segments)
   else:
@@ -292,13 +307,15 @@ def chunk_kda_pallas(q, k, v, g, beta, scale, initial_state, reset_BT, *, chunk_
   mosaic = scan_at[0].scan_lowering(scan_at[1], Kp, Vp, store_dtype, interpret) == "mosaic"
   segments = config.segments(B, H, Kp, Vp, -(-T // scan_at[1])) if mosaic else 1
   slots = scan_at[0].segment_slots_for(segments) if segments > 1 else 0
+  segment_block_v = scan_at[0].segment_block_v_for(Kp, Vp) if segments > 1 else 0
   if segments > 1:
-    why = mosaic_scan.unsupported(Kp, scan_at[1], scan_at[0].mosaic_block_v(Vp), Vp, store_dtype, slots)
+    why = mosaic_scan.unsupported(Kp, scan_at[1], segment_block_v, Vp, store_dtype, slots)
     if why is not None:
-      raise ValueError(f"the forward's state pass cannot run in {segments} segments at {slots} slots: {why}")
+      raise ValueError(f"the forward's state pass cannot run in {segments} segments of {segment_block_v} "
+                       f"columns at {slots} slots: {why}")
   st = _Static(chunk=C, scale=s, prec=tiles.precision_for(store_dtype), store_dtype=store_dtype,
                out_dtype=jnp.dtype(v.dtype), interpret=bool(interpret), cfg=cfg, scan_cfg=scan_cfg,
-               segments=segments, segment_slots=slots)
+               segments=segments, segment_slots=slots, segment_block_v=segment_block_v)
 
   # Whole pairs of chunks to merge, and a chunk (or pair) for every segment: padded chunks' zero k, v,
   # beta and g leave the state as it is.

@@ -190,11 +190,13 @@ def inverse(A, prec: Precision):
   docstring): from X, the inverse of the s x s diagonal blocks, to that of the 2s x 2s ones."""
   n = A.shape[0]
   rows, cols = iota((n, n), 0), iota((n, n), 1)
-  X = (rows == cols).astype(jnp.float32)
-  s = 1
+  lower_left = lambda s: (rows // (2 * s) == cols // (2 * s)) & (rows % (2 * s) >= s) & (cols % (2 * s) < s)
+  # s = 1 from X = I is I - A_1: no dots (two of the chain's dependent dots; -2.5% of the forward prep
+  # kernel at B=1 T=131072 H=16 on an H100, session 30).
+  X = (rows == cols).astype(jnp.float32) - jnp.where(lower_left(1), A, 0.0)
+  s = 2
   while s < n:
-    lower_left = (rows // (2 * s) == cols // (2 * s)) & (rows % (2 * s) >= s) & (cols % (2 * s) < s)
-    X = X - dot(dot(X, jnp.where(lower_left, A, 0.0), prec.solve), X, prec.solve)
+    X = X - dot(dot(X, jnp.where(lower_left(s), A, 0.0), prec.solve), X, prec.solve)
     s *= 2
   return X
 
