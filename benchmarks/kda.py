@@ -14,9 +14,10 @@ carries DIR (e.g. .triton_cache, git-ignored): fla then compiles only the config
 H100 the child took 23 s with the results kept by an earlier call, against 252 s without (BENCHMARKS.md,
 "KDA kernel", session 25).
 
-Times are medians of back-to-back runs on device (JAX: k calls between syncs; torch:
-triton.testing.do_bench). Errors are ||x - ref|| / ||ref|| against the float32 XLA reference on the same
-bf16 inputs, taken as the worst over o, dq, dk, dv, dg, dbeta.
+Times are medians of back-to-back runs on device (JAX: benchmarks.timing.time_ms, groups of calls of
+about 100 ms between syncs; torch: triton.testing.do_bench, CUDA events around each call). Errors are
+||x - ref|| / ||ref|| against the float32 XLA reference on the same bf16 inputs, taken as the worst over
+o, dq, dk, dv, dg, dbeta (and the forward alone's o).
 """
 
 import argparse
