@@ -12,8 +12,8 @@ def time_ms(fn, *args, calls=None, repeats=None, group_s=0.1, total_s=1.0) -> fl
 
   A group's first call is dispatched with the device idle, so each group adds one dispatch to the
   device's time; groups of many calls make that a small part. (At 20 ms a group, a 7 ms call ran in
-  groups of two, and the KDA op's forward at B=1 T=131072 timed 0.29 ms above its kernels' sum in a
-  profile; BENCHMARKS.md, "KDA kernel", session 30.)"""
+  groups of two, and the KDA op's forward at B=1 T=131072 timed 0.27 ms above its kernels' sum in a
+  profile, 0.04 with groups of 100 ms; BENCHMARKS.md, "KDA kernel", session 30.)"""
   import jax
 
   jax.block_until_ready(fn(*args))

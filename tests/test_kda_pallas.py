@@ -220,12 +220,13 @@ def test_mosaic_state_pass_matches_triton_in_the_op(fwd, bwd, lengths):
 
 @pytest.mark.parametrize("segments,slots,block_v,lengths,gate",
                          [(2, None, None, (41, 60, 49), -0.02), (3, None, 32, None, LB),
-                          (4, 2, None, (150,), -0.02)])
+                          (4, None, None, (150,), -0.02)])
 def test_segmented_state_pass_in_the_op(segments, slots, block_v, lengths, gate):
   """The forward alone with its Mosaic state pass in segments (interpret mode): bf16 data, mild gates so
   that states carry across segments (or every gate at the bound), initial and final state, documents
   that start inside segments. T = 150 is five chunks: segments of 4 + 1 and 2 + 2 + 1 chunks, and for
-  four segments the row padded to 8 chunks; V blocks of 64 (the default here) and 32. Within the bf16
+  four segments (at one slot, as by default) the row padded to 8 chunks; V blocks of 64 (the default
+  here) and 32. Within the bf16
   target of the float32 recurrence and close to the unsegmented op; the gradient path keeps its states
   and never segments, so its values and gradients are the unsegmented op's exactly."""
   B, T, H, K, V = 1, 150, 1, 64, 64
@@ -249,10 +250,11 @@ def test_segmented_state_pass_in_the_op(segments, slots, block_v, lengths, gate)
 
 def test_scan_segments_setting():
   long = MIN_SEGMENTED_CHUNKS
-  # Four where the whole pass has at most 64 programs of 32 columns (16 where V is 16) over a long row,
-  # else one.
+  # Where the whole pass has at most 64 programs of 32 columns (16 where V is 16) over a long row, four
+  # with segments of 64 columns and three with narrower ones; else one.
   assert Config().segments(1, 16, 128, 128, long) == 4
-  assert Config().segments(1, 16, 128, 16, long) == 4
+  assert Config().segments(1, 16, 128, 16, long) == 3
+  assert Config(block_v_fwd=32).segments(1, 16, 128, 128, long) == 3
   assert Config().segments(2, 16, 128, 128, long) == 1
   assert Config().segments(1, 16, 128, 128, long - 1) == 1
   # The homogeneous pass walks K in V blocks: none where they do not divide K.
@@ -267,13 +269,16 @@ def test_scan_segments_setting():
   # Their V blocks: 64 where 64 divides K and V, else the scans' own; block_v_fwd or segment_block_v
   # where set, at most V.
   assert Config().segment_block_v_for(128, 128) == 64
-  assert Config().segment_block_v_for(128, 16) == 16 and Config().segment_block_v_for(96, 128) == 32
+  assert Config().segment_block_v_for(128, 16) == 16 and Config().segment_block_v_for(128, 32) == 32
   assert Config(block_v_fwd=16).segment_block_v_for(128, 128) == 16
   assert Config(block_v_fwd=32, segment_block_v=128).segment_block_v_for(128, 64) == 64
-  assert Config(segment_block_v=32).segments(1, 16, 96, 128, long) == 4
+  assert Config(segment_block_v=32).segments(1, 16, 128, 128, long) == 3
+  with pytest.raises(ValueError, match="segment_block_v=128 must divide the key width 64"):
+    Config(segment_block_v=128).segments(1, 16, 64, 128, long)
   with pytest.raises(ValueError, match="segment_block_v must be a power of two"):
     Config(segment_block_v=48)
-  # Their slots: one from three segments on (three programs an SM), else the scans' own.
+  # Their slots: one from three segments on (two or three programs an SM, at 64 or 32 columns), else the
+  # scans' own.
   assert Config().segment_slots_for(3) == Config().segment_slots_for(4) == 1
   assert Config(mosaic_slots=3).segment_slots_for(2) == 3
   assert Config(segment_slots=2).segment_slots_for(3) == 2

@@ -59,14 +59,15 @@ class Config:
   scan_segments: int | None = None
   # TMA slots of that segmented pass; None: see `segment_slots_for`.
   segment_slots: int | None = None
-  # And its V columns per program; None: see `segment_block_v_for`.
+  # And its V columns per program (Mosaic; unused where the pass does not segment); None: see
+  # `segment_block_v_for`.
   segment_block_v: int | None = None
 
   def __post_init__(self):
     for name in ("block", "block_fwd", "block_grads", "block_v_fwd", "block_v_bwd", "segment_block_v"):
       n = getattr(self, name)
       if n is not None and (not isinstance(n, int) or n < 16 or n & (n - 1)):
-        raise ValueError(f"Config.{name} must be a power of two >= 16 (Triton tiles), got {n!r}")
+        raise ValueError(f"Config.{name} must be a power of two >= 16 (kernel tiles), got {n!r}")
     if not isinstance(self.merge_chunks, bool):
       raise ValueError(f"Config.merge_chunks must be True or False, got {self.merge_chunks!r}")
     if not isinstance(self.mosaic_slots, int) or self.mosaic_slots < 1:
@@ -117,17 +118,20 @@ class Config:
 
   def segments(self, B: int, H: int, K: int, V: int, N: int) -> int:
     """Segments of the forward-only Mosaic state pass (mosaic_scan_split) over N chunks of (padded)
-    widths K and V: scan_segments if set, else 4 where the whole pass has at most 64 programs (half an
-    H100's or H200's SMs) and the row at least MIN_SEGMENTED_CHUNKS chunks, else 1.
+    widths K and V: scan_segments if set, else, where the whole pass has at most 64 programs (half an
+    H100's or H200's SMs) and the row at least MIN_SEGMENTED_CHUNKS chunks, 4 with V blocks of 64 or
+    more and 3 with narrower ones (the best measured at 32 columns), else 1.
 
     The op's forward at B=1 H=16 K=V=128 on an H100 (session 30, ours alone, BENCHMARKS.md "KDA
     kernel"), ms at T=32768 / 131072, segments of 64 columns at one slot: 4 segments 1.549 / 6.032,
     3 segments 1.728 / 6.680, 2 segments 1.833 / 7.232; of 32 columns: 3 segments 1.667 / 6.505 (the
     default before), 4 segments 1.954 / 7.631. Four segments of 64 columns are 224 programs, which
     the kernel's 255 registers let an H100's or H200's 132 SMs hold at once, two an SM; more would not
-    fit. The homogeneous pass's V blocks must divide K (ValueError otherwise, where scan_segments asks
-    for segments)."""
+    fit (at K = 128; other widths were not timed). The homogeneous pass's V blocks must divide K
+    (ValueError otherwise, where scan_segments or segment_block_v asks for them)."""
     block = self.segment_block_v_for(K, V)
+    if self.segment_block_v is not None and K % block:
+      raise ValueError(f"Config.segment_block_v={self.segment_block_v} must divide the key width {K}")
     if self.scan_segments is not None:
       if self.scan_segments > 1 and K % block:
         raise ValueError(f"Config.scan_segments={self.scan_segments} needs V blocks that divide K: "
@@ -135,7 +139,7 @@ class Config:
       return self.scan_segments
     fits = (B * H * (V // self.mosaic_block_v(V)) <= 64 and N >= MIN_SEGMENTED_CHUNKS
             and K % block == 0)
-    return 4 if fits else 1
+    return (4 if block >= 64 else 3) if fits else 1
 
   def segment_block_v_for(self, K: int, V: int) -> int:
     """V columns per program of the segmented forward pass: segment_block_v if set, else block_v_fwd
