@@ -15,7 +15,7 @@ from references import doc_lengths, ids_from_lengths
 from pallas_kernels.kda import chunk_kda
 from pallas_kernels.kda import pallas_tiles as tiles
 from pallas_kernels.kda.inputs import resets
-from pallas_kernels.kda.pallas_op import MIN_SEGMENTED_CHUNKS, Config, chunk_kda_pallas
+from pallas_kernels.kda.pallas_op import MIN_SEGMENTED_CHUNKS, Config, chunk_kda_pallas, segment_programs
 
 LB = -5.0
 
@@ -250,10 +250,14 @@ def test_segmented_state_pass_in_the_op(segments, slots, block_v, lengths, gate)
 
 def test_scan_segments_setting():
   long = MIN_SEGMENTED_CHUNKS
-  # Where the whole pass has at most 64 programs of 32 columns (16 where V is 16) over a long row, four
-  # with segments of 64 columns and three with narrower ones; else one.
+  # Where the whole pass has at most 64 programs of 32 columns (16 where V is 16) over a long row, the
+  # most segments, up to four, whose programs 132 SMs hold at once (2 an SM at 64 columns, 3 at fewer);
+  # else one.
+  assert segment_programs(1, 16, 128, 128, 64, 4) == 224 and segment_programs(1, 16, 256, 128, 64, 4) == 320
   assert Config().segments(1, 16, 128, 128, long) == 4
-  assert Config().segments(1, 16, 128, 16, long) == 3
+  assert Config().segments(1, 16, 256, 128, long) == 3  # 4 would be 320 programs of 64 columns
+  assert Config().segments(1, 16, 128, 16, long) == 3   # 4 would be 448 of 16
+  assert Config().segments(1, 16, 256, 16, long) == 2
   assert Config(block_v_fwd=32).segments(1, 16, 128, 128, long) == 3
   assert Config().segments(2, 16, 128, 128, long) == 1
   assert Config().segments(1, 16, 128, 128, long - 1) == 1

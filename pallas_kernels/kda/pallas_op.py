@@ -119,16 +119,16 @@ class Config:
   def segments(self, B: int, H: int, K: int, V: int, N: int) -> int:
     """Segments of the forward-only Mosaic state pass (mosaic_scan_split) over N chunks of (padded)
     widths K and V: scan_segments if set, else, where the whole pass has at most 64 programs (half an
-    H100's or H200's SMs) and the row at least MIN_SEGMENTED_CHUNKS chunks, 4 with V blocks of 64 or
-    more and 3 with narrower ones (the best measured at 32 columns), else 1.
+    H100's or H200's SMs) and the row at least MIN_SEGMENTED_CHUNKS chunks, the most segments, up to 4,
+    whose programs all fit on the SMs at once (`segment_programs`; an SM holds 2 of 64 columns or 3 of
+    32, by their registers and shared memory at one slot and K = 128), else 1.
 
-    The op's forward at B=1 H=16 K=V=128 on an H100 (session 30, ours alone, BENCHMARKS.md "KDA
-    kernel"), ms at T=32768 / 131072, segments of 64 columns at one slot: 4 segments 1.549 / 6.032,
-    3 segments 1.728 / 6.680, 2 segments 1.833 / 7.232; of 32 columns: 3 segments 1.667 / 6.505 (the
-    default before), 4 segments 1.954 / 7.631. Four segments of 64 columns are 224 programs, which
-    the kernel's 255 registers let an H100's or H200's 132 SMs hold at once, two an SM; more would not
-    fit (at K = 128; other widths were not timed). The homogeneous pass's V blocks must divide K
-    (ValueError otherwise, where scan_segments or segment_block_v asks for them)."""
+    That rule fits every setting timed. The op's forward at B=1 H=16 K=V=128 on an H100 (session 30,
+    ours alone, BENCHMARKS.md "KDA kernel"), ms at T=32768 / 131072, at one slot: 64 columns, 4
+    segments (224 programs) 1.549 / 6.032, 5 (288, two waves) 1.821 / 6.974, 3 segments 1.728 /
+    6.680, 2 segments 1.833 / 7.232; 32 columns, 3 segments (320 programs) 1.667 / 6.505, 4 (448, two
+    waves) 1.954 / 7.631. Other widths and head counts were not timed. The homogeneous pass's V blocks
+    must divide K (ValueError otherwise, where scan_segments or segment_block_v asks for them)."""
     block = self.segment_block_v_for(K, V)
     if self.segment_block_v is not None and K % block:
       raise ValueError(f"Config.segment_block_v={self.segment_block_v} must divide the key width {K}")
@@ -139,7 +139,10 @@ class Config:
       return self.scan_segments
     fits = (B * H * (V // self.mosaic_block_v(V)) <= 64 and N >= MIN_SEGMENTED_CHUNKS
             and K % block == 0)
-    return (4 if block >= 64 else 3) if fits else 1
+    if not fits:
+      return 1
+    resident = SMS * (2 if block >= 64 else 3)
+    return next((P for P in (4, 3) if segment_programs(B, H, K, V, block, P) <= resident), 2)
 
   def segment_block_v_for(self, K: int, V: int) -> int:
     """V columns per program of the segmented forward pass: segment_block_v if set, else block_v_fwd
@@ -175,6 +178,16 @@ class Config:
     if chosen is None:
       chosen = 32 if B * H * (V // 32) >= 128 else 16
     return min(chosen, V)
+
+
+# Streaming multiprocessors of an H100 (SXM) or H200, for which the segments' defaults were timed.
+SMS = 132
+
+
+def segment_programs(B: int, H: int, K: int, V: int, block_v: int, segments: int) -> int:
+  """Programs of the segmented forward pass: per row and head, V / block_v for segment 0 and
+  (V + K) / block_v (its homogeneous pass too) for each later one."""
+  return B * H * (V // block_v + (segments - 1) * ((V + K) // block_v))
 
 
 # Rows shorter than this keep one forward state pass by default: segments were timed at 1024 and 4096
