@@ -10,7 +10,8 @@ look at before timing a launch setting or a rewrite on the GPU. No timing here.
       --prep-bwd 32,2 32,8
 
 Each setting (BLOCK,WARPS of one kernel, the others at the defaults) is one compile of the op's forward
-and backward, about 30 s on two CPU cores.
+and backward, about 30 s on two CPU cores. With --forward-only, the forward alone (at B=1 T=32768 H=16
+by default, where its state pass segments and a correction kernel follows).
 """
 
 import argparse
@@ -39,8 +40,10 @@ def block_warps(config) -> collections.defaultdict:
   return out
 
 
-def compile_op(config, shape: tuple[int, int, int], gates: str, chunk: int) -> None:
-  """Compiles the op's forward and backward (q, k, v, g, beta cotangents) for the deviceless H200."""
+def compile_op(config, shape: tuple[int, int, int], gates: str, chunk: int,
+               forward_only: bool = False) -> None:
+  """Compiles the op's forward and backward (q, k, v, g, beta cotangents) for the deviceless H200, or
+  with forward_only its forward alone (which, with few rows x heads, walks its state pass in segments)."""
   import jax
   import jax.numpy as jnp
 
@@ -58,8 +61,9 @@ def compile_op(config, shape: tuple[int, int, int], gates: str, chunk: int) -> N
                             output_final_state=False, interpret=False, config=config)
     return jnp.sum(o.astype(jnp.float32))
 
+  fn = loss if forward_only else jax.grad(loss, argnums=(0, 1, 2, 3, 4))
   with deviceless.gpu_default_backend(), jax.set_mesh(sharding.mesh):
-    jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower().compile()
+    jax.jit(fn).trace(*args).lower().compile()
 
 
 def main(argv=None) -> None:
@@ -68,12 +72,15 @@ def main(argv=None) -> None:
   for knob in KNOBS:
     p.add_argument(f"--{knob.replace('_', '-')}", type=pair, nargs="*", default=[], metavar="BLOCK,WARPS",
                    help=f"{knob} settings to compile (the others at their defaults)")
-  p.add_argument("--shape", type=lambda s: tuple(int(x) for x in s.split("x")), default=(2, 8192, 16),
-                 help="BxTxH (K = V = 128)")
+  p.add_argument("--shape", type=lambda s: tuple(int(x) for x in s.split("x")), default=None,
+                 help="BxTxH (K = V = 128); default 2x8192x16, with --forward-only 1x32768x16")
+  p.add_argument("--forward-only", action="store_true",
+                 help="compile the forward alone (inference's path: the segmented state pass at B=1)")
   p.add_argument("--gates", default="bfloat16", help="dtype of g (the model's KDA layers pass float32)")
   p.add_argument("--chunk", type=int, default=32)
   p.add_argument("--out", help="also write the table into this markdown file's section")
   args = p.parse_args(argv)
+  args.shape = args.shape or ((1, 32768, 16) if args.forward_only else (2, 8192, 16))
   log = deviceless.verbose_ptxas()
 
   from pallas_kernels.kda.pallas_backend import Tuning
@@ -88,7 +95,7 @@ def main(argv=None) -> None:
            "warps per SM (registers) |", "|---|---|---|---|---|---|"]
   for name, config, prefix in runs:
     start = log.stat().st_size
-    compile_op(config, args.shape, args.gates, args.chunk)
+    compile_op(config, args.shape, args.gates, args.chunk, args.forward_only)
     with log.open() as f:
       f.seek(start)
       kernels = deviceless.ptxas_kernels(f.read())
@@ -101,13 +108,15 @@ def main(argv=None) -> None:
     lines += rows
     print("\n".join(rows), flush=True)
   B, T, H = args.shape
-  body = [f"ptxas for sm_90a (deviceless H200), chunk_kda forward + backward at B={B} T={T} H={H} "
+  what = "forward alone" if args.forward_only else "forward + backward"
+  body = [f"ptxas for sm_90a (deviceless H200), chunk_kda {what} at B={B} T={T} H={H} "
           f"K=V=128, bf16 q/k/v, {args.gates} gates, chunk {args.chunk}. Command: "
           f"`{' '.join(['python'] + sys.argv)}`", "",
           *lines]
   print("\n".join(body))
   if args.out:
-    replace_section(args.out, "KDA kernels' registers (ptxas, no GPU)", "\n".join(body), level=3)
+    title = "KDA kernels' registers, forward alone" if args.forward_only else "KDA kernels' registers"
+    replace_section(args.out, f"{title} (ptxas, no GPU)", "\n".join(body), level=3)
 
 
 if __name__ == "__main__":
