@@ -121,7 +121,8 @@ class Config:
     widths K and V: scan_segments if set, else, where the whole pass has at most 64 programs (half an
     H100's or H200's SMs) and the row at least MIN_SEGMENTED_CHUNKS chunks, the most segments, up to 4,
     whose programs all fit on the SMs at once (`segment_programs`; an SM holds 2 of 64 columns or 3 of
-    32, by their registers and shared memory at one slot and K = 128), else 1.
+    32, by their registers and shared memory at one slot and K = 128), 2 where not even 3 fit (not
+    timed), else 1.
 
     That rule fits every setting timed. The op's forward at B=1 H=16 K=V=128 on an H100 (session 30,
     ours alone, BENCHMARKS.md "KDA kernel"), ms at T=32768 / 131072, at one slot: 64 columns, 4
