@@ -234,11 +234,12 @@ def _forward(st: _Static, q, k, v, g, beta, S0, doc, keep: bool):
   states_dtype = st.store_dtype if keep else None
   scan_cfg, scan_chunk = (st.scan_cfg, 2 * st.chunk) if merge else (st.cfg, st.chunk)
   if scan_cfg.scan_lowering(scan_chunk, K, V, st.store_dtype, st.interpret) == "mosaic":
+    segmented = not keep and st.segments > 1  # a forward kept for the backward walks every chunk
     o, S_fin, states, Vp = mosaic_scan.scan_forward_mosaic(
         W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype,
-        block_v=scan_cfg.mosaic_block_v(V) if keep or st.segments == 1 else st.segment_block_v,
-        stages=scan_cfg.mosaic_slots if keep or st.segments == 1 else st.segment_slots,
-        states_dtype=states_dtype, interpret=st.interpret, segments=1 if keep else st.segments)
+        block_v=st.segment_block_v if segmented else scan_cfg.mosaic_block_v(V),
+        stages=st.segment_slots if segmented else scan_cfg.mosaic_slots,
+        states_dtype=states_dtype, interpret=st.interpret, segments=st.segments if segmented else 1)
   else:
     block_v = scan_cfg.block_v(scan_cfg.block_v_fwd, q.shape[0], q.shape[2], V)
     o, S_fin, states, Vp = scan_forward(W, U, qg, kd, Aqk, sdec, S0, out_dtype=st.out_dtype, block_v=block_v,
