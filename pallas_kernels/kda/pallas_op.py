@@ -128,8 +128,10 @@ class Config:
     ours alone, BENCHMARKS.md "KDA kernel"), ms at T=32768 / 131072, at one slot: 64 columns, 4
     segments (224 programs) 1.549 / 6.032, 5 (288, two waves) 1.821 / 6.974, 3 segments 1.728 /
     6.680, 2 segments 1.833 / 7.232; 32 columns, 3 segments (320 programs) 1.667 / 6.505, 4 (448, two
-    waves) 1.954 / 7.631. Other widths and head counts were not timed. The homogeneous pass's V blocks
-    must divide K (ValueError otherwise, where scan_segments or segment_block_v asks for them)."""
+    waves) 1.954 / 7.631. On an H200 (session 31) the default is again the fastest: 1.495 / 5.856,
+    then 32 columns in 3 segments, 1.592 / 6.298. Other widths and head counts were not timed. The
+    homogeneous pass's V blocks must divide K (ValueError otherwise, where scan_segments or
+    segment_block_v asks for them)."""
     block = self.segment_block_v_for(K, V)
     if self.segment_block_v is not None and K % block:
       raise ValueError(f"Config.segment_block_v={self.segment_block_v} must divide the key width {K}")
