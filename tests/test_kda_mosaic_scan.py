@@ -291,8 +291,8 @@ def test_segments_lower_for_cuda_at_a_long_row(segments, stages, block_v):
   """B=1 T=32768 H=16 K=V=128, the shape segments are for: Mosaic GPU lowers the kernel with its
   homogeneous programs and counts the shared memory of the unsegmented pass; three segments (342, 342
   and 340 chunks) with the last one's trip count traced; four of 64 columns at one slot, the op's
-  default at this shape. (The Triton kernel that then corrects the
-  outputs lowers only where a GPU is, so the kernel is lowered alone.)"""
+  default at this shape. (The Triton kernel that then corrects the outputs lowers only where a GPU is,
+  so the kernel is lowered alone.)"""
   bf = jnp.bfloat16
   sd = jax.ShapeDtypeStruct
   B, H, T, D, C = 1, 16, 32768, 128, 32

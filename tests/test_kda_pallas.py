@@ -226,9 +226,9 @@ def test_segmented_state_pass_in_the_op(segments, slots, block_v, lengths, gate)
   that states carry across segments (or every gate at the bound), initial and final state, documents
   that start inside segments. T = 150 is five chunks: segments of 4 + 1 and 2 + 2 + 1 chunks, and for
   four segments (at one slot, as by default) the row padded to 8 chunks; V blocks of 64 (the default
-  here) and 32. Within the bf16
-  target of the float32 recurrence and close to the unsegmented op; the gradient path keeps its states
-  and never segments, so its values and gradients are the unsegmented op's exactly."""
+  here) and 32. Within the bf16 target of the float32 recurrence and close to the unsegmented op; the
+  gradient path keeps its states and never segments, so its values and gradients are the unsegmented
+  op's exactly."""
   B, T, H, K, V = 1, 150, 1, 64, 64
   qkvgb, S0, cot = make_inputs(8, B, T, H, K, V, dtype=jnp.bfloat16, gate=gate)
   cot = (cot[0].astype(jnp.bfloat16), cot[1])

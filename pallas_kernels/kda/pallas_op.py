@@ -327,9 +327,9 @@ def chunk_kda_pallas(q, k, v, g, beta, scale, initial_state, reset_BT, *, chunk_
   scan_at = (scan_cfg, 2 * C) if config.merge_chunks else (cfg, C)
   mosaic = scan_at[0].scan_lowering(scan_at[1], Kp, Vp, store_dtype, interpret) == "mosaic"
   segments = config.segments(B, H, Kp, Vp, -(-T // scan_at[1])) if mosaic else 1
-  slots = scan_at[0].segment_slots_for(segments) if segments > 1 else 0
-  segment_block_v = scan_at[0].segment_block_v_for(Kp, Vp) if segments > 1 else 0
+  slots = segment_block_v = 0
   if segments > 1:
+    slots, segment_block_v = scan_at[0].segment_slots_for(segments), scan_at[0].segment_block_v_for(Kp, Vp)
     why = mosaic_scan.unsupported(Kp, scan_at[1], segment_block_v, Vp, store_dtype, slots)
     if why is not None:
       raise ValueError(f"the forward's state pass cannot run in {segments} segments of {segment_block_v} "
