@@ -2,8 +2,8 @@
 a dense document mask (MLA's GPU path for packed rows up to 16K before these kernels) vs jax's own
 Pallas flash kernel with segment ids.
 
-    python3 benchmarks/attention.py --out BENCHMARKS.md    # GPU
-    python3 benchmarks/attention.py --smoke                # CPU, interpret mode, tiny shapes; prints
+    python -m benchmarks.attention --out BENCHMARKS.md    # GPU
+    python -m benchmarks.attention --smoke                # CPU, interpret mode, tiny shapes; prints
 
 Rows hold documents of geometric length (mean --mean-doc), as in benchmarks/step.py. Useful FLOPs
 count only the (query, key) pairs inside documents: 2 (D + V) per pair forward, 2.5x that backward.
@@ -21,11 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import replace_section  # noqa: E402
-from benchmarks.timing import time_ms  # noqa: E402
-from pallas_kernels.attention import Blocks, document_attention, document_attention_reference  # noqa: E402
+from benchmarks.report import replace_section
+from benchmarks.timing import time_ms
+from pallas_kernels.attention import Blocks, document_attention, document_attention_reference
 
 SECTION = "Document attention"
 H, D = 8, 128  # experiments/h200.py's MLA
@@ -141,7 +140,7 @@ def main():
   lines, failures = run(args)
   dev = jax.devices()[0]
   body = "\n".join([
-      f"Command: `python3 benchmarks/attention.py {' '.join(sys.argv[1:])}`  ",
+      f"Command: `python -m benchmarks.attention {' '.join(sys.argv[1:])}`  ",
       f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, device: {dev.device_kind}, "
       f"jax {jax.__version__}.", "",
       f"H={H}, D=V={D}, bf16, causal attention within documents of geometric length (mean "

@@ -1,6 +1,6 @@
 """Expert balance of each balancing mode, side by side, on one small MoE LM (CPU is fine).
 
-python benchmarks/balance.py [--steps 300] [--out BENCHMARKS.md]
+python -m benchmarks.balance [--steps 300] [--out BENCHMARKS.md]
 
 Trains the same model on the same data stream once per mode of `model.moe.balance` (quantile, sign,
 aux, none) and reports MaxVio_batch (mean over the second half of training), MaxVio_global (from
@@ -20,11 +20,10 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import replace_section  # noqa: E402
-from moejax.config import base_config  # noqa: E402
-from moejax.train import run  # noqa: E402
+from benchmarks.report import replace_section
+from moejax.config import base_config
+from moejax.train import run
 
 MODES = ("quantile", "sign", "aux", "none")
 
@@ -87,7 +86,7 @@ def main():
                  f"| {r['seconds']:.0f} |")
   table = "\n".join(lines)
   print(table)
-  command = "python benchmarks/balance.py " + " ".join(sys.argv[1:])
+  command = "python -m benchmarks.balance " + " ".join(sys.argv[1:])
   now = datetime.datetime.now(datetime.UTC)
   body = (f"Command: `{command.strip()}`  \nDate: {now:%Y-%m-%d %H:%M} UTC  \n"
           f"Device: CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)  \n"

@@ -1,7 +1,7 @@
 """Grouped matmul on one GPU: ours (Pallas/Triton) vs jax.lax.ragged_dot vs tokamax's ragged_dot.
 
-    python3 benchmarks/gmm.py            # GPU: checks, tile sweep, timings; writes BENCHMARKS.md
-    python3 benchmarks/gmm.py --smoke    # CPU: tiny shapes in interpret mode, prints only
+    python -m benchmarks.gmm            # GPU: checks, tile sweep, timings; writes BENCHMARKS.md
+    python -m benchmarks.gmm --smoke    # CPU: tiny shapes in interpret mode, prints only
 
 Group sizes are Zipf-skewed (seeded; every 16th group empty) and sum to M. FLOPs: 2*M*K*N forward,
 three times that for forward + both gradients. Each figure is the median over timed batches after a
@@ -24,12 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.report import relative_error, replace_section  # noqa: E402
-from benchmarks.timing import time_ms  # noqa: E402
-from pallas_kernels.gmm import DEFAULT_TILING, Tile, Tiling, gmm  # noqa: E402
-from pallas_kernels.gmm.kernel import gmm_pallas, tgmm_pallas  # noqa: E402
+from benchmarks.report import relative_error, replace_section
+from benchmarks.timing import time_ms
+from pallas_kernels.gmm import DEFAULT_TILING, Tile, Tiling, gmm
+from pallas_kernels.gmm.kernel import gmm_pallas, tgmm_pallas
 
 SHAPES = [(64, 65536, 2048, 1024), (256, 65536, 1024, 512)]          # G, M, K, N
 SMOKE_SHAPES = [(4, 200, 64, 32), (8, 256, 32, 64)]

@@ -1,8 +1,8 @@
 """KDA kernel benchmark: ours (Pallas), ours (XLA reference) and fla 0.6.0 chunk_kda on one GPU.
 
-  python benchmarks/kda.py --section-out $OUT/kda.md     # the issue's table, as a markdown section
-  python benchmarks/kda.py --sweep          # per-kernel block sizes and launch parameters
-  python benchmarks/kda.py --check          # GPU correctness only (Pallas vs the float32 reference)
+  python -m benchmarks.kda --section-out $OUT/kda.md     # the issue's table, as a markdown section
+  python -m benchmarks.kda --sweep          # per-kernel block sizes and launch parameters
+  python -m benchmarks.kda --check          # GPU correctness only (Pallas vs the float32 reference)
 
 fla runs in a child process (torch and JAX apart); inputs and its outputs travel as raw bf16 bits
 through /dev/shm. Its first call autotunes each kernel (253 s for two shapes on an H100, more than
@@ -31,9 +31,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from benchmarks.flops import kda_forward_flops_per_token  # noqa: E402
-from benchmarks.timing import time_ms  # noqa: E402  (imports jax lazily: the fla child shares this file)
+from benchmarks.flops import kda_forward_flops_per_token
+from benchmarks.timing import time_ms  (imports jax lazily: the fla child shares this file)
 
 SHAPES = ((2, 8192), (1, 32768), (1, 131072))
 H, D, LB = 16, 128, -5.0
@@ -199,8 +198,9 @@ def run_fla(shapes, reps_ms, timeout_s, tune_dir: pathlib.Path | None = None):
     print(f"fla child: Triton cache {tune_dir}, {autotune_results(tune_dir)} autotuning results in it",
           flush=True)
   try:
-    out = subprocess.run([sys.executable, __file__, "--fla-child", arg, "--fla-ms", str(reps_ms)],
-                         capture_output=True, text=True, timeout=timeout_s, env=env)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.kda", "--fla-child", arg, "--fla-ms", str(reps_ms)],
+                         capture_output=True, text=True, timeout=timeout_s, env=env,
+                         cwd=pathlib.Path(__file__).resolve().parents[1])
     stdout, stderr, failed = out.stdout, out.stderr, out.returncode != 0
   except subprocess.TimeoutExpired as e:
     text = lambda x: x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
@@ -328,7 +328,7 @@ def _slab_is_finite(slab: int):
 
 def section_text(table, device, bw, flops, argv, chunk, stress):
   date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-  return (f"{SECTION}\n\nMeasured {date} on {device} with `python3 benchmarks/kda.py {argv}` "
+  return (f"{SECTION}\n\nMeasured {date} on {device} with `python -m benchmarks.kda {argv}` "
           f"(H={H}, D=K=V={D}, bf16 inputs, our chunk {chunk}, one document per row, no initial "
           f"state). Ceilings measured in "
           f"the same run: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s; floor = "

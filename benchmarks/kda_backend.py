@@ -3,8 +3,8 @@ lowering (pallas_kernels.kda.pallas_scan.scan_forward / scan_backward, the op's 
 their Mosaic GPU ports (pallas_kernels.kda.mosaic_scan*), same inputs, same V blocks, one GPU, one
 process.
 
-    python3 benchmarks/kda_backend.py --out $OUT/kda_backend.md  # GPU: the table, as a ### section
-    python3 benchmarks/kda_backend.py --smoke                    # CPU: tiny shapes, interpret mode, no times
+    python -m benchmarks.kda_backend --out $OUT/kda_backend.md  # GPU: the table, as a ### section
+    python -m benchmarks.kda_backend --smoke                    # CPU: tiny shapes, interpret mode, no times
 
 Inputs come from the op's forward prep kernel on random q, k, v, g (gates in [-5, 0)) and beta drawn as
 benchmarks/kda.py draws them (B=2 T=8192 H=16 K=V=128 bf16), plus a random initial state, so the scan
@@ -23,9 +23,8 @@ import functools
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from benchmarks.report import kernel_benchmark_args, provenance, replace_section  # noqa: E402
-from benchmarks.timing import time_ms  # noqa: E402
+from benchmarks.report import kernel_benchmark_args, provenance, replace_section
+from benchmarks.timing import time_ms
 
 TITLE = "Pallas backend: Triton vs Mosaic GPU"  # a ### section, inside "KDA kernel"
 SHAPE = dict(B=2, T=8192, H=16, D=128)

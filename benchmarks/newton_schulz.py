@@ -1,15 +1,15 @@
 """Muon's Newton-Schulz on the step's own matrices: the einsum form ("xla") against the symmetric
 kernels of pallas_kernels/newton_schulz ("pallas"), in the same call.
 
-  python3 benchmarks/newton_schulz.py --config experiments/h200.py --out BENCHMARKS.md
-  python3 benchmarks/newton_schulz.py --sweep 128,64,4,3 128,64,8,3 64,64,4,3    # also these blocks
-  python3 benchmarks/newton_schulz.py --smoke                                     # tiny, on the CPU
+  python -m benchmarks.newton_schulz --config experiments/h200.py --out BENCHMARKS.md
+  python -m benchmarks.newton_schulz --sweep 128,64,4,3 128,64,8,3 64,64,4,3    # also these blocks
+  python -m benchmarks.newton_schulz --smoke                                     # tiny, on the CPU
 
 Times: medians of back-to-back calls of one jitted function. First the whole Muon update
 (`scale_by_muon`) over the config's parameters, as the train step runs it (momentum, stacking, scaling
 included), with its errors ||o - o_f32|| / ||o_f32|| against the same update with the iteration in
 float32 (XLA at precision "highest": exact float32 products). Then per group (the parameters Muon stacks
-and iterates together, `moejax.muon.like_matrix_groups`): `newton_schulz` on random bf16 matrices of the
+and iterates together, `moejax.training.muon.like_matrix_groups`): `newton_schulz` on random bf16 matrices of the
 group's shape. The section is rewritten after each part, so a run cut off by a time limit keeps what it
 measured.
 """
@@ -17,15 +17,14 @@ measured.
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from benchmarks.report import (  # noqa: E402
+from benchmarks.report import (
   kernel_benchmark_args,
   provenance,
   publish,
   relative_error,
   replace_section,
 )
-from benchmarks.timing import time_ms  # noqa: E402
+from benchmarks.timing import time_ms
 
 SECTION = "Muon Newton-Schulz"
 
@@ -45,7 +44,7 @@ def muon_side(config):
 
   from benchmarks.step_setup import abstract_state
   from moejax.model import build_model
-  from moejax.optim import muon_dimension_numbers
+  from moejax.training.optimizers import muon_dimension_numbers
 
   shapes, _, axes = abstract_state(build_model(config), config)
   dims = muon_dimension_numbers(axes)
@@ -62,7 +61,7 @@ def groups(params, dims, axes) -> list[tuple[int, int, int]]:
   import jax
   import optax
 
-  from moejax.muon import like_matrix_groups, matrix_sizes
+  from moejax.training.muon import like_matrix_groups, matrix_sizes
 
   is_masked = lambda x: isinstance(x, optax.MaskedNode)
   leaves, treedef = jax.tree.flatten(params, is_leaf=is_masked)
@@ -84,7 +83,7 @@ def main():
   import jax.numpy as jnp
 
   from benchmarks.step_setup import load_config
-  from moejax.muon import NS_COEFFS, newton_schulz, scale_by_muon
+  from moejax.training.muon import NS_COEFFS, newton_schulz, scale_by_muon
   from pallas_kernels.kda.pallas_backend import Tuning
   from pallas_kernels.newton_schulz import GRAM_BLOCKS, POLY_BLOCKS, Blocks, gram_poly
 

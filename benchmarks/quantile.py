@@ -1,8 +1,8 @@
 """Exact quantile balancing: the Pallas kernels (pallas_kernels.quantile) against their XLA reference.
 
-    python3 benchmarks/quantile.py --out BENCHMARKS.md     # GPU: checks, times, writes the section
-    python3 benchmarks/quantile.py --sweep                 # GPU: also times other Blocks, prints them
-    python3 benchmarks/quantile.py --smoke                 # CPU: tiny shapes in interpret mode, prints
+    python -m benchmarks.quantile --out BENCHMARKS.md     # GPU: checks, times, writes the section
+    python -m benchmarks.quantile --sweep                 # GPU: also times other Blocks, prints them
+    python -m benchmarks.quantile --smoke                 # CPU: tiny shapes in interpret mode, prints
 
 quantile_bias (k=8, 4 sweeps, warm-started from the bias of another batch of the same skew) at the h200.py
 step's shape per MoE layer, [32768 tokens, 64 experts], and at [65536, 256]; then one sweep
@@ -18,13 +18,12 @@ import sys
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.report import kernel_benchmark_args, provenance, publish  # noqa: E402
-from benchmarks.timing import time_ms  # noqa: E402
-from moejax.balance import quantile_bias  # noqa: E402
-from pallas_kernels.quantile import Blocks, choice_margins, exact_threshold, kernel, margin_threshold  # noqa: E402
-from pallas_kernels.quantile import reference as ref  # noqa: E402
+from benchmarks.report import kernel_benchmark_args, provenance, publish
+from benchmarks.timing import time_ms
+from moejax.moe.balance import quantile_bias
+from pallas_kernels.quantile import Blocks, choice_margins, exact_threshold, kernel, margin_threshold
+from pallas_kernels.quantile import reference as ref
 
 SECTION = "Quantile balance kernels"
 K, ITERS = 8, 4

@@ -1,8 +1,8 @@
 """The KDA layer's short convolution + SiLU (+ the l2 norm of q and k): Pallas kernels vs XLA.
 
-    python3 benchmarks/short_conv.py --out BENCHMARKS.md     # GPU: checks, times, writes the section
-    python3 benchmarks/short_conv.py --sweep 32,4 64,8 ...   # GPU: also times these row blocks, warps
-    python3 benchmarks/short_conv.py --smoke                 # CPU: tiny shapes in interpret mode, prints
+    python -m benchmarks.short_conv --out BENCHMARKS.md     # GPU: checks, times, writes the section
+    python -m benchmarks.short_conv --sweep 32,4 64,8 ...   # GPU: also times these row blocks, warps
+    python -m benchmarks.short_conv --smoke                 # CPU: tiny shapes in interpret mode, prints
 
 At the h200.py step's shape per branch (B=4 T=8192, 8 heads of 128 channels, W=4, bf16 in and out,
 packed documents of geometric length, mean 2048), in the layer's two forms: q and k (each head
@@ -19,12 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.report import fwd_bwd_table, kernel_benchmark_args, provenance, publish, relative_error  # noqa: E402
-from benchmarks.timing import copy_floor_note, time_ms  # noqa: E402
-from pallas_kernels.kda.pallas_backend import Tuning  # noqa: E402
-from pallas_kernels.short_conv import Blocks, conv_silu  # noqa: E402
+from benchmarks.report import fwd_bwd_table, kernel_benchmark_args, provenance, publish, relative_error
+from benchmarks.timing import copy_floor_note, time_ms
+from pallas_kernels.kda.pallas_backend import Tuning
+from pallas_kernels.short_conv import Blocks, conv_silu
 
 SECTION = "Short convolution"
 EPS = 1e-6  # config.model.norm_eps

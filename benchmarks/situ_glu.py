@@ -1,7 +1,7 @@
 """SiTU-GLU's element-wise pass: moejax's form against the tanh/sigmoid formula and SwiGLU.
 
-    python3 benchmarks/situ_glu.py --out BENCHMARKS.md     # GPU: times, checks, writes the section
-    python3 benchmarks/situ_glu.py --smoke                 # CPU: tiny shapes, prints
+    python -m benchmarks.situ_glu --out BENCHMARKS.md     # GPU: times, checks, writes the section
+    python -m benchmarks.situ_glu --smoke                 # CPU: tiny shapes, prints
 
 At the h200.py step's routed-expert shape: 262144 rows (32768 tokens x top 8) of 768 hidden units, bf16
 gate and up in, bf16 h out. "formula" is h = b1 tanh(g/b1) sigmoid(g) b2 tanh(u/b2) written with
@@ -18,11 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.report import fwd_bwd_table, kernel_benchmark_args, provenance, publish, relative_error  # noqa: E402
-from benchmarks.timing import copy_floor_note, time_ms  # noqa: E402
-from moejax.layers.ffn import situ_glu  # noqa: E402
+from benchmarks.report import fwd_bwd_table, kernel_benchmark_args, provenance, publish, relative_error
+from benchmarks.timing import copy_floor_note, time_ms
+from moejax.layers.ffn import situ_glu
 
 SECTION = "SiTU-GLU element-wise pass"
 B1, B2 = 4.0, 25.0

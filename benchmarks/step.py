@@ -1,21 +1,21 @@
 """The full jitted training step: tokens/s, model FLOPs per token, MFU, peak memory, the time of each
 component, and one step at T=1M with rematerialisation.
 
-  python benchmarks/step.py --config experiments/h200.py --out BENCHMARKS.md
-  python benchmarks/step.py --config experiments/h200.py --only long   # just the 1M-token step
-  python benchmarks/step.py --mesh data=2,expert=4 --only step         # 8 devices, expert-parallel
-  python benchmarks/step.py --config experiments/h200.py --only components --step-ms 664.9
-  python benchmarks/step.py --config experiments/h200.py --only profile  # time per part, from a trace
+  python -m benchmarks.step --config experiments/h200.py --out BENCHMARKS.md
+  python -m benchmarks.step --config experiments/h200.py --only long   # just the 1M-token step
+  python -m benchmarks.step --mesh data=2,expert=4 --only step         # 8 devices, expert-parallel
+  python -m benchmarks.step --config experiments/h200.py --only components --step-ms 664.9
+  python -m benchmarks.step --config experiments/h200.py --only profile  # time per part, from a trace
       (and, in --profile's folder, ops.tsv: every op's time; fusions.txt: the HLO of the costly fusions)
-  python benchmarks/step.py --smoke                                    # tiny shapes, any machine
+  python -m benchmarks.step --smoke                                    # tiny shapes, any machine
 
 The step runs on a data x expert mesh (default: `expert` over every device, so one GPU is a mesh
-of one); the state is placed by `moejax.train_step.state_shardings` and the MoE layers exchange tokens
+of one); the state is placed by `moejax.training.step.state_shardings` and the MoE layers exchange tokens
 by all-to-all over `expert`.
 
 Batches are synthetic: uniform random tokens packed into documents of random length (mean
 `--mean-doc`), so no data pipeline runs inside the timed loop and the GPU image needs no grain. The
-step is `moejax.train_step.jit_train_step`, the one `python -m moejax.train` runs (its state donated, its
+step is `moejax.training.step.jit_train_step`, the one `python -m moejax.train` runs (its state donated, its
 XLA options from config.train).
 
 MFU = tokens/s x model FLOPs per token / the bf16 matmul rate measured in the same call (XLA's
@@ -47,13 +47,12 @@ import jax
 import ml_collections
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks import trace_parts  # noqa: E402
-from benchmarks.flops import newton_schulz_flops  # noqa: E402
-from benchmarks.report import replace_section  # noqa: E402
-from benchmarks.step_components import component_table  # noqa: E402
-from benchmarks.step_setup import (  # noqa: E402
+from tools import trace_parts
+from benchmarks.flops import newton_schulz_flops
+from benchmarks.report import replace_section
+from benchmarks.step_components import component_table
+from benchmarks.step_setup import (
   LONG_SEQ,
   abstract_state,
   init_on_host,
@@ -68,13 +67,14 @@ from benchmarks.step_setup import (  # noqa: E402
   synthetic_batch,
   total_steps,
 )
-from benchmarks.timing import matmul_rate  # noqa: E402
-from moejax.config import passes_per_step  # noqa: E402
-from moejax.layers.mla import GatedMLA  # noqa: E402
-from moejax.model import build_model  # noqa: E402
-from moejax.muon import NS_STEPS, resolve_ns  # noqa: E402
-from moejax.parallel import mesh as meshlib  # noqa: E402
-from moejax.train_step import jit_train_step, state_shardings  # noqa: E402
+from benchmarks.timing import matmul_rate
+from moejax.config import passes_per_step
+from moejax.layers.mla import GatedMLA
+from moejax.model import build_model
+from moejax.training.muon import NS_STEPS, resolve_ns
+from moejax.parallel import mesh as meshlib
+from moejax.training.step import jit_train_step
+from moejax.training.state import state_shardings
 
 SECTION = "Training step"
 LONG_SECTION = "Training step at 1M tokens"
@@ -88,7 +88,7 @@ XLA_FLAGS = "--xla_gpu_enable_triton_gemm=false"  # why: main()
 
 def time_steps(config, batch, steps: int, mesh, warmup: int = 1, profile_dir: str | None = None) -> dict:
   """Compiles the train step on `mesh`, runs it once and `warmup` more times, then times `steps` steps
-  back to back; with `profile_dir`, then traces two more (benchmarks/trace_parts.py).
+  back to back; with `profile_dir`, then traces two more (tools/trace_parts.py).
 
   The step compiles from the state's shapes while another thread initialises the state on the host:
   one after the other they took about 35 and 70 s of each H200 call (2026-12-05)."""
@@ -250,18 +250,19 @@ def bench_profile(args) -> list[str]:
           f"buffers (CUDA graphs) off, so that every kernel names the HLO op that launched it: step time "
           f"{r['step_s'] * 1e3:.1f} ms in this run. {PROFILED_STEPS} steps traced by jax.profiler after "
           f"{args.steps} timed ones; each kernel is charged to the model part in its op's name stack "
-          f"(benchmarks/trace_parts.py).", "", *r["profile"]]
+          f"(tools/trace_parts.py).", "", *r["profile"]]
 
 
 def bench_long(args) -> list[str]:
-  cmd = [sys.executable, __file__, "--long-child", "--config", args.config, "--long-seq",
+  cmd = [sys.executable, "-m", "benchmarks.step", "--long-child", "--config", args.config, "--long-seq",
          str(args.long_seq), "--mean-doc", str(args.mean_doc), *(f"--set={s}" for s in args.set)]
   # The 1M-token step needs most of the card: let XLA's allocator take more than its default 75%.
   env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", **os.environ}
   # The child's progress is passed through as it comes, so a run cut off by a time limit still shows
   # how far the 1M-token step got.
   proc = subprocess.Popen(cmd + (["--smoke"] if args.smoke else []), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, env=env)
+                          stderr=subprocess.STDOUT, text=True, env=env,
+                          cwd=pathlib.Path(__file__).resolve().parents[1])
   out, tail = [], []
   for line in proc.stdout:
     if line.startswith("LONG "):
@@ -332,7 +333,7 @@ def main():
   # on which the 8K step of experiments/h200.py (70.8 GiB at its peak) ran out of memory.
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   device = jax.devices()[0].device_kind
-  command = "python benchmarks/step.py " + " ".join(sys.argv[1:])
+  command = "python -m benchmarks.step " + " ".join(sys.argv[1:])
 
   def write(title, lines):
     body = "\n".join([f"Command: `{command}`  ", f"Date: {datetime.date.today()}, device: {device}.", "",

@@ -1,7 +1,7 @@
 """What the step benchmarks build before they time anything: the experiment's config (shrunk for a
 smoke run, overridden by `--set`), synthetic packed batches, the mesh, the train state (initialised on
 the host, or only its shapes), the model's FLOPs per token and Muon's matrices, and the settings of the
-long (1M-token) step. benchmarks/step.py times with these; memory_plan.py, hlo_traffic.py and
+long (1M-token) step. benchmarks/step.py times with these; tools/memory_plan.py, tools/hlo_traffic.py and
 newton_schulz.py compile or count with them.
 """
 
@@ -15,17 +15,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from benchmarks.flops import (  # noqa: E402
+from benchmarks.flops import (
   causal_attention_forward_flops_per_token,
   kda_forward_flops_per_token,
 )
-from moejax.config import load_experiment, validate  # noqa: E402
-from moejax.model import SCANNED, layer_kinds  # noqa: E402
-from moejax.muon import matrix_sizes  # noqa: E402
-from moejax.optim import muon_dimension_numbers  # noqa: E402
-from moejax.parallel import mesh as meshlib  # noqa: E402
-from moejax.train_step import init_state  # noqa: E402
+from moejax.config import load_experiment, validate
+from moejax.layout import SCANNED, layer_kinds
+from moejax.training.muon import matrix_sizes
+from moejax.training.optimizers import muon_dimension_numbers
+from moejax.parallel import mesh as meshlib
+from moejax.training.state import init_state
 
 LONG_SEQ = 1 << 20
 LONG_CHUNK = 1 << 17  # tokens per pass of the routed experts and the dense FFNs at T=1M

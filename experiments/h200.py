@@ -1,7 +1,7 @@
 """The ~1B-total hybrid MoE that one H200 trains: the model of the step benchmark and of 1m.py.
 
 python -m moejax.train --config experiments/h200.py --workdir runs/h200
-python benchmarks/step.py --config experiments/h200.py
+python -m benchmarks.step --config experiments/h200.py
 
 1.35B parameters in all, 357M active per token (`python -m moejax.params --config experiments/h200.py`):
 16 layers in the 3:1 KDA:MLA pattern, 64 routed LatentMoE experts (top 8, latent width 512) plus one

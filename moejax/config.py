@@ -10,25 +10,23 @@ import pathlib
 
 import ml_collections
 
+from moejax.data.config import default_data_config, validate_data_config
+from moejax.errors import ConfigError
+from moejax.layout import layer_layout
+
 MIXERS = ("kda", "mla")
 BALANCE_MODES = ("quantile", "sign", "aux", "none")
 GROUPED_MATMULS = ("auto", "xla", "pallas", "interpret")
-ROUTER_MATMULS = ("f32", "bf16x3", "auto")  # moejax.layers.router.router_scores
+ROUTER_MATMULS = ("f32", "bf16x3", "auto")  # moejax.moe.router.router_scores
 BALANCE_IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")
 MLA_ATTENTIONS = ("auto", "xla", "cudnn", "pallas", "interpret")
 RESIDUAL_MODES = ("attnres", "residual")
 KDA_IMPLEMENTATIONS = (None, "xla", "pallas", "interpret", "recurrent")
 CONV_IMPLEMENTATIONS = ("xla", "pallas", "interpret")
-NS_IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")  # moejax.muon.newton_schulz
-
-
-class ConfigError(ValueError):
-  """A config that cannot describe a working model or run."""
+NS_IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")  # moejax.training.muon.newton_schulz
 
 
 def base_config() -> ml_collections.ConfigDict:
-  from moejax.data.config import default_data_config  # moejax.data imports ConfigError from here
-
   c = ml_collections.ConfigDict()
   c.data = default_data_config()
 
@@ -49,7 +47,7 @@ def base_config() -> ml_collections.ConfigDict:
   # layer in the backward pass
   m.remat = "none"
   # Run the repeated layers as one scan (params stacked under "scanned"): compile time stops growing
-  # with depth. See moejax.model.layer_layout for which layers it covers.
+  # with depth. See moejax.layout.layer_layout for which layers it covers.
   m.scan_layers = False
 
   k = m.kda = ml_collections.ConfigDict()
@@ -155,7 +153,7 @@ def base_config() -> ml_collections.ConfigDict:
   # tiles once: moejax/muon.py) or "interpret" (those kernels on the CPU, slow: for tests). Under a mesh
   # the kernels split the experts over `expert` but iterate a matrix split over fsdp/tensor whole on
   # each of those devices, where "xla" shares its products out. "auto": "pallas" on a GPU unless the
-  # mesh splits matrices over fsdp or tensor, else "xla" (moejax.muon.resolve_ns).
+  # mesh splits matrices over fsdp or tensor, else "xla" (moejax.training.muon.resolve_ns).
   o.muon_ns_implementation = "auto"
   o.qk_clip_tau = 0.0  # > 0 enables per-head QK-clip on MLA (reported MuonClip uses 100)
 
@@ -301,8 +299,6 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   need(r.block_size >= 1, f"model.attnres.block_size={r.block_size} must be >= 1")
 
   if m.scan_layers:
-    from moejax.model import layer_layout
-
     layout = layer_layout(m)
     need(layout.repeats >= 1,
          f"model.scan_layers: no run of two identical layer periods to scan in model.num_layers="
@@ -341,8 +337,6 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(isinstance(e.token_chunk, int) and e.token_chunk >= 0,
          f"model.moe.token_chunk must be an integer >= 0 (0: no chunking), got {e.token_chunk!r}")
     need(e.latent_dim > 0 and e.expert_hidden_dim > 0, "model.moe latent/expert dims must be positive")
-  from moejax.data.config import validate_data_config
-
   validate_data_config(config.data)
 
   o = config.optim

@@ -9,79 +9,24 @@ compiles holds one period instead of every layer; see `layer_layout`.
 """
 
 import copy
-import math
-from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 
+from moejax.config import validate
 from moejax.layers.attnres import AttnResQuery, ResidualState, StackedResidualState
 from moejax.layers.ffn import SiTUGLU
-from moejax.layers.kda import KDA
-from moejax.layers.mla import GatedMLA
-from moejax.layers.moe import MoE
+from moejax.layers.kda import KDA, init_kda_cache
+from moejax.layers.mla import GatedMLA, init_mla_cache
+from moejax.layers.packing import Packing
+from moejax.layout import SCANNED, LayerLayout, layer_kinds, layer_layout
+from moejax.moe.layer import MoE
 from moejax.nn import LAYERS_AXIS, MATMUL_NAME, RMSNorm, logical_param
 
 # A block that never closes: with plain residuals the partial sum *is* the residual stream.
 _NEVER = 1 << 62
-
-
-def layer_kinds(cfg) -> list[tuple[str, str]]:
-  """(mixer, ffn) kind for every layer: mixer in {"kda", "mla"}, ffn in {"dense", "moe"}."""
-  mixers = {"K": "kda", "M": "mla"}
-  pattern = cfg.layer_pattern * (cfg.num_layers // len(cfg.layer_pattern))
-  return [(mixers[p], "dense" if i < cfg.num_dense_layers else "moe") for i, p in enumerate(pattern)]
-
-
-SCANNED = "scanned"  # the params subtree of the scanned layers
-
-
-class LayerLayout(NamedTuple):
-  """Which layers run unrolled and which in the scan: layers [start, start + period * repeats) are
-  `repeats` copies of one period of `period` layers; the rest are unrolled."""
-  start: int
-  period: int
-  repeats: int
-
-  @property
-  def stop(self) -> int:
-    return self.start + self.period * self.repeats
-
-  def unrolled(self, num_layers: int) -> list[int]:
-    return [i for i in range(num_layers) if not self.start <= i < self.stop]
-
-  def layer_index(self, repeat: int, offset: int) -> int:
-    """The absolute index of layer `offset` of period `repeat`."""
-    return self.start + repeat * self.period + offset
-
-
-def layer_layout(cfg) -> LayerLayout:
-  """The scan layout of a model config (`config.model`); repeats=0 when nothing is scanned.
-
-  Searched over the layer kinds: the run of at least two identical periods that takes the most layers
-  out of the compiled program, period * (repeats - 1), then the shortest period. With AttnRes a period
-  closes whole blocks and starts on a block boundary, so the carried state has the same structure after
-  every period, and layer 0 stays out (its mixer reads the embedding alone and has no query, where
-  every scanned layer has one).
-  """
-  if not cfg.scan_layers:
-    return LayerLayout(0, 1, 0)
-  kinds, n = layer_kinds(cfg), cfg.num_layers
-  step, first = 1, 0
-  if cfg.attnres.mode == "attnres":
-    step, first = cfg.attnres.block_size // math.gcd(cfg.attnres.block_size, 2), 1
-  best = LayerLayout(0, 1, 0)
-  for period in range(step, n + 1, step):
-    for start in range(-(-first // step) * step, n - period + 1, step):
-      body = kinds[start:start + period]
-      repeats = 1
-      while kinds[start + repeats * period:start + (repeats + 1) * period] == body:
-        repeats += 1
-      if repeats >= 2 and period * (repeats - 1) > best.period * max(best.repeats - 1, 0):
-        best = LayerLayout(start, period, repeats)
-  return best
 
 
 def per_layer(tree, cfg) -> dict:
@@ -117,6 +62,9 @@ def stacked_layers(tree, cfg) -> dict:
 
 
 class DecoderLayer(nn.Module):
+  """(residual state, packing, mixer cache) -> (residual state, mixer cache): the mixer and the FFN,
+  each reading its AttnRes mix (or the residual sum) through an RMSNorm."""
+
   cfg: ml_collections.FrozenConfigDict
   mixer: str
   ffn: str
@@ -132,7 +80,7 @@ class DecoderLayer(nn.Module):
     return (("mixer", mixer), ("ffn", ffn))
 
   @nn.compact
-  def __call__(self, state: ResidualState | StackedResidualState, segment_ids_BT):
+  def __call__(self, state: ResidualState | StackedResidualState, packing: Packing | None, cache=None):
     cfg = self.cfg
     attnres = cfg.attnres.mode == "attnres"
     block_size = cfg.attnres.block_size if attnres else _NEVER
@@ -145,8 +93,12 @@ class DecoderLayer(nn.Module):
         h_BTD = state.residual_sum()
       x_BTD = RMSNorm(cfg.norm_eps, jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype),
                       name=f"{role}_norm")(h_BTD)
-      state = state.add(sublayer(x_BTD, segment_ids_BT).astype(h_BTD.dtype), block_size)
-    return state
+      if role == "mixer":
+        y_BTD, cache = sublayer(x_BTD, packing, cache)
+      else:
+        y_BTD = sublayer(x_BTD, packing)
+      state = state.add(y_BTD.astype(h_BTD.dtype), block_size)
+    return state, cache
 
 
 # remat=dots: saves what XLA's dots compute, and the outputs of moejax.nn.matmul, whose dots sit inside a
@@ -167,18 +119,23 @@ def _layer_class(cfg):
 
 
 class LayerPeriod(nn.Module):
-  """One period of the scanned layers (`layer_layout`): the body of the scan, carrying the state."""
+  """One period of the scanned layers (`layer_layout`): the body of the scan, carrying the state.
+  Its cache, when decoding, is that of each of its layers, stacked over the periods by the scan."""
 
   cfg: ml_collections.FrozenConfigDict
   kinds: tuple[tuple[str, str], ...]
 
   @nn.compact
-  def __call__(self, state, segment_ids_BT):
+  def __call__(self, state, packing, cache):
+    new_cache = None if cache is None else {}
     for j, (mixer, ffn) in enumerate(self.kinds):
-      state = _layer_class(self.cfg)(self.cfg, mixer, ffn, name=f"layer_{j}")(state, segment_ids_BT)
+      layer = _layer_class(self.cfg)(self.cfg, mixer, ffn, name=f"layer_{j}")
+      state, layer_cache = layer(state, packing, None if cache is None else cache[f"layer_{j}"])
+      if cache is not None:
+        new_cache[f"layer_{j}"] = layer_cache
     if isinstance(state, ResidualState):  # plain residuals never close a block: `filled` only counts
       state = ResidualState(state.blocks, state.partial, 0)
-    return state, None
+    return state, new_cache
 
 
 def tied_head(embedding_VD):
@@ -191,7 +148,7 @@ def tied_head(embedding_VD):
 class Transformer(nn.Module):
   """`__call__` returns the final normalised hidden states [B,T,D]; `logits` maps them to the vocab.
 
-  The loss (`moejax.loss`) applies the head chunk by chunk, so [B,T,V] logits are never materialised
+  The loss (`moejax.training.loss`) applies the head chunk by chunk, so [B,T,V] logits are never materialised
   for long sequences.
   """
 
@@ -211,43 +168,70 @@ class Transformer(nn.Module):
     if layout.repeats:
       period_kinds = tuple(kinds[layout.start:layout.start + layout.period])
       scan = nn.scan(LayerPeriod, variable_axes={True: 0}, split_rngs={"params": True},
-                     in_axes=nn.broadcast, length=layout.repeats,
+                     in_axes=(nn.broadcast, 0), length=layout.repeats,
                      metadata_params={nn.PARTITION_NAME: LAYERS_AXIS})
       self.scanned = scan(cfg, period_kinds, name=SCANNED)
     if cfg.attnres.mode == "attnres":
       self.final_attnres = AttnResQuery(cfg.norm_eps)
     self.final_norm = RMSNorm(cfg.norm_eps, jnp.dtype(cfg.dtype), pdtype)
 
-  def __call__(self, tokens_BT, segment_ids_BT=None):
+  def embed(self, tokens_BT):
+    """The token embeddings of integer tokens [B,T], [B,T,D] in the compute dtype. A caller that places
+    other embeddings into a row (image tokens) starts from these and passes the row as `embeddings_BTD`."""
     if tokens_BT.ndim != 2 or not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
       raise ValueError(f"tokens must be an integer [B,T] array, got {tokens_BT.dtype}{tokens_BT.shape}")
-    if segment_ids_BT is not None and segment_ids_BT.shape != tokens_BT.shape:
-      raise ValueError(f"segment_ids shape {segment_ids_BT.shape} != tokens shape {tokens_BT.shape}")
-    dtype = jnp.dtype(self.cfg.dtype)
-    state = ResidualState.start(jnp.take(self.embedding, tokens_BT, axis=0).astype(dtype))
+    return jnp.take(self.embedding, tokens_BT, axis=0).astype(jnp.dtype(self.cfg.dtype))
+
+  def __call__(self, tokens_BT=None, segment_ids_BT=None, *, embeddings_BTD=None, cache=None):
+    """(final normalised hidden states [B,T,D], cache).
+
+    The row is `tokens_BT` [B,T] embedded, or `embeddings_BTD` [B,T,D] as given: one of the two.
+    segment_ids_BT marks the documents packed into each row (None: one a row); the layers read them
+    as one `Packing`, worked out here. cache: None (the rows start here; None comes back), or the
+    mixers' decode caches (`init_cache`) that the rows continue, one document a row; the caches
+    after the rows' last positions come back.
+    """
+    if (tokens_BT is None) == (embeddings_BTD is None):
+      raise ValueError("Transformer takes either tokens_BT or embeddings_BTD, exactly one of them")
+    if embeddings_BTD is None:
+      x_BTD = self.embed(tokens_BT)
+    else:
+      if embeddings_BTD.ndim != 3 or embeddings_BTD.shape[-1] != self.cfg.d_model:
+        raise ValueError(f"embeddings must be [B,T,D={self.cfg.d_model}], got {embeddings_BTD.shape}")
+      x_BTD = embeddings_BTD.astype(jnp.dtype(self.cfg.dtype))
+    B, T = x_BTD.shape[:2]
+    packing = None if segment_ids_BT is None else Packing.of(segment_ids_BT, B, T)
+    if cache is not None and packing is not None:
+      raise ValueError("a decode cache holds one document a row: call the model without segment_ids")
+    layer_cache = lambda name: None if cache is None else cache[name]
+    new_cache = None if cache is None else {}
+    state = ResidualState.start(x_BTD)
     layout = layer_layout(self.cfg)
     for i, layer in zip(self.unrolled, self.layers, strict=True):
       if i == layout.stop and layout.repeats:
-        state = self._scan(state, segment_ids_BT, layout)
-      state = layer(state, segment_ids_BT)
+        state, scanned_cache = self._scan(state, packing, layer_cache(SCANNED), layout)
+      state, c = layer(state, packing, layer_cache(f"layer_{i}"))
+      if cache is not None:
+        new_cache[f"layer_{i}"] = c
     if layout.repeats and layout.stop == self.cfg.num_layers:
-      state = self._scan(state, segment_ids_BT, layout)
+      state, scanned_cache = self._scan(state, packing, layer_cache(SCANNED), layout)
+    if cache is not None and layout.repeats:
+      new_cache[SCANNED] = scanned_cache
     if self.cfg.attnres.mode == "attnres":
       h_BTD = self.final_attnres(state.sources())
     else:
       h_BTD = state.residual_sum()
-    return self.final_norm(h_BTD)
+    return self.final_norm(h_BTD), new_cache
 
-  def _scan(self, state: ResidualState, segment_ids_BT, layout: LayerLayout) -> ResidualState:
+  def _scan(self, state: ResidualState, packing, cache, layout: LayerLayout):
     cfg = self.cfg
     if cfg.attnres.mode != "attnres":
       partial = jnp.zeros_like(state.blocks[0]) if state.partial is None else state.partial
-      carry, _ = self.scanned(ResidualState(state.blocks, partial, 0), segment_ids_BT)
-      return carry
+      return self.scanned(ResidualState(state.blocks, partial, 0), packing, cache)
     # Periods close whole blocks, so the scan starts and ends on a block boundary.
     num_blocks = len(state.blocks) + layout.repeats * (2 * layout.period // cfg.attnres.block_size)
-    carry, _ = self.scanned(state.stacked(num_blocks), segment_ids_BT)
-    return carry.unstacked(num_blocks)
+    carry, cache = self.scanned(state.stacked(num_blocks), packing, cache)
+    return carry.unstacked(num_blocks), cache
 
   def head_matrix(self):
     """[D, V] output projection: `tied_head` of the embedding when tied."""
@@ -259,10 +243,22 @@ class Transformer(nn.Module):
 
 
 def build_model(config: ml_collections.ConfigDict) -> Transformer:
-  from moejax.config import validate
-
+  """The Transformer of a run config, which this validates (`moejax.config.validate`) first."""
   validate(config)
   return Transformer(ml_collections.FrozenConfigDict(config.model))
+
+
+def init_cache(cfg, batch: int, max_len: int) -> dict:
+  """Empty decode caches for a model config (`config.model`): per unrolled layer "layer_i" its mixer's
+  (KDA: `KDACarry.empty`; MLA: `init_mla_cache` of `max_len` positions), and under "scanned" those of
+  the scanned layers, stacked over the periods as the scan takes them."""
+  one = lambda kind: init_kda_cache(cfg, batch) if kind == "kda" else init_mla_cache(cfg, batch, max_len)
+  kinds, layout = layer_kinds(cfg), layer_layout(cfg)
+  cache = {f"layer_{i}": one(kinds[i][0]) for i in layout.unrolled(cfg.num_layers)}
+  if layout.repeats:
+    period = {f"layer_{j}": one(kinds[layout.start + j][0]) for j in range(layout.period)}
+    cache[SCANNED] = jax.tree.map(lambda x: jnp.stack([x] * layout.repeats), period)
+  return cache
 
 
 def init_variables(model: Transformer, rng: jax.Array, batch: int = 1, seq_len: int = 16):

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from absl import app
 from ml_collections import config_flags
 
-from moejax.model import SCANNED, build_model
+from moejax.layout import SCANNED
+from moejax.model import build_model
 from moejax.nn import layers_lead
 
 

@@ -8,7 +8,7 @@ import os
 
 import ml_collections
 
-from moejax.config import ConfigError
+from moejax.errors import ConfigError
 from moejax.data.tokenizer import MIN_VOCAB_SIZE
 
 FORMATS = ("text", "jsonl")

@@ -86,8 +86,8 @@ class SiTUGLU(nn.Module):
   token_chunk: int = 0
 
   @nn.compact
-  def __call__(self, x_BTD, segment_ids_BT=None):
-    del segment_ids_BT  # position-wise: documents cannot mix here
+  def __call__(self, x_BTD, packing=None):
+    del packing  # position-wise: documents cannot mix here
     tokens = math.prod(x_BTD.shape[:-1])
     chunk = self.token_chunk
     if not chunk or tokens <= chunk or self.is_initializing():

@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from moejax.layers.short_conv import check_segment_ids, conv_silu, document_ids
+from moejax.layers.packing import document_ids_of
 from moejax.nn import check_input, kernel_init, logical_param, matmul, rms_norm
 from pallas_kernels.kda import chunk_kda
+from pallas_kernels.short_conv import conv_silu
 
 
 def check_lower_bound(lb: float) -> float:
@@ -50,10 +51,10 @@ conv_init = nn.initializers.variance_scaling(1.0, "fan_in", "uniform", in_axis=0
 
 
 class KDACarry(NamedTuple):
-  """What one pass over a piece of the row hands the next (`KDA.seq_chunk`): the recurrent state, the
-  last conv_size - 1 pre-convolution q/k/v projections (the short convolution's history), their
-  document ids, and the document id of the piece's last position (kept apart: with conv_size 1 there
-  is no history)."""
+  """What one pass over a piece of the row hands the next (`KDA.seq_chunk`), and the layer's decode
+  cache: the recurrent state, the last conv_size - 1 pre-convolution q/k/v projections (the short
+  convolution's history), their document ids, and the document id of the piece's last position (kept
+  apart: with conv_size 1 there is no history). `empty` is a cache before the row starts."""
   state_BHKV: jax.Array  # float32
   tails: dict  # {"q", "k", "v"}: [B, W-1, H, K or V]
   tail_doc_BW: jax.Array  # int32 [B, W-1]; -1 before the row starts
@@ -66,9 +67,19 @@ class KDACarry(NamedTuple):
                jnp.full((B, W - 1), -1, jnp.int32), jnp.full((B,), -1, jnp.int32))
 
 
+def init_kda_cache(cfg: ml_collections.FrozenConfigDict, batch: int) -> KDACarry:
+  """An empty decode cache of a KDA layer (config.model): nothing before the row starts."""
+  kc = cfg.kda
+  return KDACarry.empty(batch, kc.num_heads, kc.head_k_dim, kc.head_v_dim, kc.conv_size, jnp.dtype(cfg.dtype))
+
+
 class KDA(nn.Module):
-  """KDA mixer: __call__(x_BTD, segment_ids_BT=None) -> y_BTD. Sows the log-decay g as
+  """KDA mixer: __call__(x_BTD, packing=None, cache=None) -> (y_BTD, cache). Sows the log-decay g as
   intermediates/"g" (float32 [B,T,H,K]) for inspection.
+
+  packing: a `moejax.layers.packing.Packing`, segment ids, or None (one document a row). cache: None
+  (the row starts here; None comes back), or a `KDACarry` that the row continues from (`init_kda_cache`
+  for an empty one); the carry after the row's last position comes back.
 
   With cfg.kda.seq_chunk > 0 (it must divide T), the layer runs over the row in pieces of that many
   tokens, one after another, handing on the recurrent state and the convolution's history, each piece
@@ -105,25 +116,25 @@ class KDA(nn.Module):
     return p
 
   @nn.compact
-  def __call__(self, x_BTD, segment_ids_BT=None):
+  def __call__(self, x_BTD, packing=None, cache: KDACarry | None = None):
     c, kc = self.cfg, self.cfg.kda
     check_input(x_BTD, c.d_model, "KDA")
     B, T, _ = x_BTD.shape
     p = self._params()
-    doc_BT = None
-    if segment_ids_BT is not None:
-      check_segment_ids(segment_ids_BT, B, T)
-      doc_BT = document_ids(segment_ids_BT)
+    doc_BT = document_ids_of(packing, B, T)
     x_BTD = x_BTD.astype(jnp.dtype(c.dtype))
     want_g = self.is_mutable_collection("intermediates")
     piece = kc.seq_chunk
-    if not piece or T <= piece:
+    if cache is not None:
+      doc_BT = jnp.zeros((B, T), jnp.int32) if doc_BT is None else doc_BT
+      y_BTD, g_BTHK, cache = kda_mixer(p, c, x_BTD, doc_BT, cache)
+    elif not piece or T <= piece:
       y_BTD, g_BTHK, _ = kda_mixer(p, c, x_BTD, doc_BT)
     else:
       y_BTD, g_BTHK = self._in_pieces(p, x_BTD, doc_BT, piece, want_g)
     if want_g:
       self.sow("intermediates", "g", g_BTHK)
-    return y_BTD
+    return y_BTD, cache
 
   def _in_pieces(self, p, x_BTD, doc_BT, piece: int, want_g: bool):
     c, kc = self.cfg, self.cfg.kda
@@ -154,7 +165,7 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
   """The KDA mixer on x [B,T,D] with params p: (y_BTD, g_BTHK, carry after the last position).
 
   carry=None: the row starts here (nothing before position 0). Otherwise the row continues one that
-  ended in `carry`; then doc_BT is required and holds document ids comparable with the carry's.
+  ended in `carry`, and doc_BT holds document ids comparable with the carry's.
   """
   kc, dtype = c.kda, jnp.dtype(c.dtype)
   K = kc.head_k_dim
@@ -176,7 +187,7 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
                   normalize_eps=c.norm_eps if normalize else None)[:, w:]
     return y, ext_BTHK[:, ext_BTHK.shape[1] - w:]
 
-  # The named scopes label this layer's parts in profiles (benchmarks/trace_parts.py).
+  # The named scopes label this layer's parts in profiles (tools/trace_parts.py).
   with jax.named_scope("qkv_conv"):
     (q_BTHK, q_tail), (k_BTHK, k_tail), (v_BTHV, v_tail) = (
         conv_branch(n, normalize) for n, normalize in (("q", True), ("k", True), ("v", False)))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from moejax.config import MLA_ATTENTIONS
-from moejax.layers.short_conv import check_segment_ids, document_ids
+from moejax.layers.packing import document_ids_of
 from moejax.nn import RMSNorm, check_input, kernel_init, logical_param, matmul
 from pallas_kernels.attention import document_attention
 
@@ -152,9 +152,17 @@ class GatedMLA(nn.Module):
     return o_BTHV, max_logits(q_BTHK, k_BTHK, jnp.zeros((B, T), jnp.int32) if doc_BT is None else doc_BT,
                               scale)
 
-  def __call__(self, x_BTD, segment_ids_BT=None):
+  def __call__(self, x_BTD, packing=None, cache=None):
+    """(y_BTD, cache). packing: a `moejax.layers.packing.Packing`, segment ids, or None (one document a
+    row). cache: None (the whole row at once; None comes back), or a decode cache (`init_mla_cache`)
+    that the row's S tokens of one document are appended to (`decode`)."""
     check_input(x_BTD, self.cfg.d_model, "GatedMLA")
     B, T, _ = x_BTD.shape
+    doc_BT = document_ids_of(packing, B, T)
+    if cache is not None:
+      if doc_BT is not None:
+        raise ValueError("GatedMLA: a decode cache holds one document a row; call it without packing")
+      return self.decode(x_BTD, cache)
     x_BTD = x_BTD.astype(self.dtype)
     q_BTHK = self.queries(x_BTD)
     c_BTC = self.kv_latent(x_BTD)
@@ -162,16 +170,12 @@ class GatedMLA(nn.Module):
     v_BTHV = matmul("btc,chv->bthv", c_BTC, self.w_uv, self.dtype)
 
     K = q_BTHK.shape[-1]
-    doc_BT = None
-    if segment_ids_BT is not None:
-      check_segment_ids(segment_ids_BT, B, T)
-      doc_BT = document_ids(segment_ids_BT)
     if self.is_mutable_collection("attn_stats"):  # asked for by QK-clip only
       o_BTHV, max_H = self.attention(q_BTHK, k_BTHK, v_BTHV, doc_BT, K ** -0.5, max_logit=True)
       self.sow("attn_stats", "max_logit", max_H)
     else:
       o_BTHV = self.attention(q_BTHK, k_BTHK, v_BTHV, doc_BT, K ** -0.5)
-    return self.gated_output(x_BTD, o_BTHV)
+    return self.gated_output(x_BTD, o_BTHV), None
 
   def decode(self, x_BSD, cache):
     """Appends S tokens (S >= 1) of one document per row to `cache`; returns (y_BSD, new cache).

@@ -1,1 +1,1 @@
-"""Device meshes, sharding rules and expert-parallel dispatch."""
+"""Device meshes and logical-axis sharding rules."""

@@ -4,7 +4,7 @@ Mesh axes, outermost first: data, fsdp, expert, tensor (every mesh built here ha
 ones have size 1). Tokens (the batch dimension) are split over data, fsdp and expert together, so an
 expert-parallel group also shares the data-parallel work; routed experts are split over `expert`.
 Within an expert group, the MoE layer sends tokens to the experts' owners by all-to-all
-(`moejax.parallel.expert`).
+(`moejax.moe.expert_parallel`).
 
 Rules are MaxText-style pairs (logical name, mesh axis or tuple of axes or None). Parameters carry
 their logical names (`moejax.nn.logical_param`); `param_shardings` maps a boxed param tree to
