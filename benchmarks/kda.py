@@ -11,8 +11,8 @@ through /dev/shm. Its first call autotunes each kernel (253 s for two shapes on 
   (cd DIR && find . -name '*.autotune.json' | tar czf $OUT/fla_tune.tgz -T -)
 and unpack them into DIR (`mkdir -p DIR && tar xzf fla_tune.tgz -C DIR`) for the next call, which
 carries DIR (e.g. .triton_cache, git-ignored): fla then compiles only the configs it had chosen. On an
-H100 the child took 23 s with the results kept by an earlier call, against 252 s without (BENCHMARKS.md,
-"KDA kernel", session 25).
+H100 the child took a small fraction of the time it takes without the results kept by an earlier run
+(BENCHMARKS.md, "KDA kernel").
 
 Times are medians of back-to-back runs on device (JAX: benchmarks.timing.time_ms, groups of calls of
 about 100 ms between syncs; torch: triton.testing.do_bench, CUDA events around each call). Errors are
@@ -32,14 +32,14 @@ import sys
 import time
 
 from benchmarks.flops import kda_forward_flops_per_token
-from benchmarks.timing import time_ms  (imports jax lazily: the fla child shares this file)
+from benchmarks.timing import time_ms  # imports jax lazily: the fla child shares this file
 
 SHAPES = ((2, 8192), (1, 32768), (1, 131072))
 H, D, LB = 16, 128, -5.0
 INTERPRET = False  # --smoke: tiny shapes through Pallas interpret mode, to test this script on a CPU
 SHM = "/dev/shm/kda_bench"
 SECTION = "## KDA kernel"
-# fla 0.6.0 chunk_kda (safe gate, lb=-5) on this project's H200, DESIGN §7 (measured 2026-12-02), used
+# fla 0.6.0 chunk_kda (safe gate, lb=-5) on this project's H200, measured 2026-12-02, used
 # with --fla-design when a run cannot afford fla's first-call autotuning: {(B, T): (fwd ms, fwd+bwd ms)}.
 FLA_DESIGN = {(2, 8192): (0.89, 4.53), (1, 32768): (2.09, 9.96)}
 
@@ -108,7 +108,7 @@ def kda_fns(impl, config=None, chunk=32):
   jax, _ = _jax()
   from pallas_kernels.kda import chunk_kda
   from pallas_kernels.kda.inputs import resets
-  from pallas_kernels.kda.pallas_op import chunk_kda_pallas
+  from pallas_kernels.kda.ops import chunk_kda_pallas
 
   if impl == "pallas" and config is not None:
     def run(q, k, v, g, beta):
@@ -220,7 +220,7 @@ def pallas_config(args, merged: bool = False):
   forward's chunk pairs merged for its state pass); None (the op's defaults) without either."""
   if not args.scan_lowering and not merged:
     return None
-  from pallas_kernels.kda.pallas_op import Config
+  from pallas_kernels.kda.config import Config
   fwd, bwd = args.scan_lowering.split(",") if args.scan_lowering else ("", "")
   return Config(scan_fwd_lowering=fwd or None, scan_bwd_lowering=bwd or None, merge_chunks=merged)
 
@@ -270,7 +270,7 @@ def main_table(args):
       ratio = (f"{tf / res['fla'][0]:.2f}", f"{tb / res['fla'][1]:.2f}") if "fla" in res else ("-", "-")
       name = {"pallas": "ours (pallas)", "pallas-merged": "ours (pallas, chunk pairs merged)",
               "xla": "ours (xla ref)",
-              "fla": "fla 0.6.0" + (" (DESIGN §7)" if fla is None else "")}.get(
+              "fla": "fla 0.6.0" + (" (measured on an H200, 2026-12-02)" if fla is None else "")}.get(
                   impl, f"ours (pallas, {impl.partition(':')[2]})")
       rows.append((f"B={B} T={T}", name, f"{tf:.3f}", f"{tb:.3f}", *ratio, f"{tf / ff:.1f}",
                    f"{tb / fb:.1f}", "-" if err != err else f"{err:.1e}"))
@@ -353,10 +353,10 @@ def write_section(path, body):
 def sweep(args):
   """Each kernel alone at the first shape (the scans also at the last) under a few launch settings."""
   jax, jnp = _jax()
-  from pallas_kernels.kda import pallas_prep, pallas_scan
-  from pallas_kernels.kda.pallas_backend import Tuning
-  from pallas_kernels.kda.pallas_op import Config
-  from pallas_kernels.kda.pallas_tiles import precision_for
+  from pallas_kernels.kda import backward, forward, scan
+  from pallas_kernels.kda.config import Config
+  from pallas_kernels.kda.lowering import Tuning
+  from pallas_kernels.kda.tiles import precision_for
   prec = precision_for(jnp.bfloat16)
   bf = jnp.bfloat16
   kw = dict(interpret=INTERPRET)
@@ -384,7 +384,7 @@ def sweep(args):
         report(f"{at} whole op forward ({text})", op_fwd, q, k, v, g, beta)
         report(f"{at} whole op forward + backward ({text})", op_fb, q, k, v, g, beta, do)
     prep = lambda block, tuning, keep_solve=False, C=C: jax.jit(functools.partial(
-        pallas_prep.prep_forward, chunk=C, block=min(block, D), scale=D**-0.5, prec=prec, store_dtype=bf,
+        forward.prep_forward, chunk=C, block=min(block, D), scale=D**-0.5, prec=prec, store_dtype=bf,
         tuning=tuning, keep_solve=keep_solve, **kw))
     W, U, qg, kd, Aqk, sdec, A, Linv = prep(64, Tuning(4, 1), keep_solve=True)(q, k, v, g, beta, doc)
     S0 = jnp.zeros((B, Hs, D, D), jnp.float32)
@@ -395,29 +395,29 @@ def sweep(args):
                prep(block, Tuning(nw, ns)), q, k, v, g, beta, doc)
     for bv, nw, ns in args.sweep_scan:
       tuning, bv = Tuning(nw, ns), min(bv, D)
-      fwd = jax.jit(lambda *a, bv=bv, tuning=tuning: pallas_scan.scan_forward(
+      fwd = jax.jit(lambda *a, bv=bv, tuning=tuning: scan.scan_forward(
           *a, out_dtype=bf, block_v=bv, big=prec.big, tuning=tuning, **kw)[:2])
       report(f"{at} scan_fwd bv={bv} warps={nw} stages={ns}", fwd, W, U, qg, kd, Aqk, sdec, S0)
-      bwd = jax.jit(lambda *a, bv=bv, tuning=tuning: pallas_scan.scan_backward(
+      bwd = jax.jit(lambda *a, bv=bv, tuning=tuning: scan.scan_backward(
           *a, store_dtype=bf, block_v=bv, big=prec.big, tuning=tuning, **kw))
       report(f"{at} scan_bwd bv={bv} warps={nw} stages={ns}", bwd, do, Aqk, kd, W, qg, sdec, S0)
     if not first:
       continue
-    fwd_keep = jax.jit(lambda *a: pallas_scan.scan_forward(*a, out_dtype=bf, block_v=32, big=prec.big,
-                                                           states_dtype=bf, tuning=Tuning(4, 2), **kw))
+    fwd_keep = jax.jit(lambda *a: scan.scan_forward(*a, out_dtype=bf, block_v=32, big=prec.big,
+                                                    states_dtype=bf, tuning=Tuning(4, 2), **kw))
     report(f"{at} scan_fwd keeping states bv=32", fwd_keep, W, U, qg, kd, Aqk, sdec, S0)
     _, _, states, Vp = fwd_keep(W, U, qg, kd, Aqk, sdec, S0)
-    dVp, dSn, _ = pallas_scan.scan_backward(do, Aqk, kd, W, qg, sdec, S0, store_dtype=bf, block_v=32,
-                                            big=prec.big, tuning=Tuning(4, 2), **kw)
+    dVp, dSn, _ = scan.scan_backward(do, Aqk, kd, W, qg, sdec, S0, store_dtype=bf, block_v=32,
+                                     big=prec.big, tuning=Tuning(4, 2), **kw)
     for block, nw in args.sweep_grads:
-      sg = jax.jit(functools.partial(pallas_prep.state_grads, block=min(block, D), prec=prec, store_dtype=bf,
+      sg = jax.jit(functools.partial(backward.state_grads, block=min(block, D), prec=prec, store_dtype=bf,
                                      tuning=Tuning(nw, 1), **kw))
       report(f"{at} state_grads block={block} warps={nw}", sg, states, dSn, do, dVp, Vp)
-    dW, dqg, dkd, dAqk, dsdec = pallas_prep.state_grads(states, dSn, do, dVp, Vp, block=min(64, D), prec=prec,
-                                                        store_dtype=bf, tuning=Tuning(4, 1), **kw)
+    dW, dqg, dkd, dAqk, dsdec = backward.state_grads(states, dSn, do, dVp, Vp, block=min(64, D), prec=prec,
+                                                     store_dtype=bf, tuning=Tuning(4, 1), **kw)
     for block, nw, *ns in args.sweep_prep:
       ns = ns[0] if ns else 1
-      pb = jax.jit(functools.partial(pallas_prep.prep_backward, chunk=C, block=min(block, D), scale=D**-0.5,
+      pb = jax.jit(functools.partial(backward.prep_backward, chunk=C, block=min(block, D), scale=D**-0.5,
                                      prec=prec, tuning=Tuning(nw, ns), **kw))
       report(f"{at} prep_bwd block={block} warps={nw} stages={ns}", pb, q, k, v, g, beta, doc,
              A, Linv, dW, dVp, dqg, dkd, dAqk, dsdec)
@@ -429,7 +429,7 @@ def config_of(text: str):
   launch parameters (Tuning fields) are not settable this way. Raises ValueError on a bad text."""
   import dataclasses
 
-  from pallas_kernels.kda.pallas_op import Config
+  from pallas_kernels.kda.config import Config
 
   names = {f.name for f in dataclasses.fields(Config) if "Tuning" not in str(f.type)}
   fields = {}
@@ -479,7 +479,7 @@ def main():
   p.add_argument("--check-chunks", type=int, nargs="+", default=[32, 64, 128], help="chunk sizes for --check")
   p.add_argument("--section-out", help="write the KDA section (table, command, date, device) into this "
                  "markdown file, replacing an older one (BENCHMARKS.md, or a file under $OUT)")
-  p.add_argument("--fla-design", action="store_true", help="without --fla runs: fla ratios from DESIGN §7")
+  p.add_argument("--fla-design", action="store_true", help="without --fla runs: fla ratios from fla's times measured on an H200 on 2026-12-02")
   p.add_argument("--no-fla", action="store_true")
   p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU), no fla")
   p.add_argument("--fla-ms", type=int, default=200)

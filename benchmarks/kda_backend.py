@@ -1,6 +1,6 @@
 """Pallas lowering for the KDA kernels, measured on the state scans: forward and backward on the Triton
-lowering (pallas_kernels.kda.pallas_scan.scan_forward / scan_backward, the op's launch parameters) against
-their Mosaic GPU ports (pallas_kernels.kda.mosaic_scan*), same inputs, same V blocks, one GPU, one
+lowering (pallas_kernels.kda.scan.scan_forward / scan_backward, the op's launch parameters) against
+their Mosaic GPU ports (pallas_kernels.kda.mosaic), same inputs, same V blocks, one GPU, one
 process.
 
     python -m benchmarks.kda_backend --out $OUT/kda_backend.md  # GPU: the table, as a ### section
@@ -43,9 +43,9 @@ def make_scan_inputs(B, T, H, D, C, interpret):
   import jax
   import jax.numpy as jnp
 
-  from pallas_kernels.kda.pallas_op import Config
-  from pallas_kernels.kda.pallas_prep import prep_forward
-  from pallas_kernels.kda.pallas_tiles import precision_for
+  from pallas_kernels.kda.config import Config
+  from pallas_kernels.kda.forward import prep_forward
+  from pallas_kernels.kda.tiles import precision_for
 
   # As benchmarks/kda.py draws them: q, k unit rows, v normal, g uniform in [-5, 0), beta in (0, 1).
   ks = jax.random.split(jax.random.key(0), 6)
@@ -143,8 +143,8 @@ def short(e: Exception) -> str:
 
 CAPTION = ("The state scans alone (W, U, qg, kd, A_qk, sdec from the forward prep kernel; B={B} T={T} "
            "H={H} K=V={D} bf16; forward: a random initial state; backward: random bf16 dO and float32 "
-           "final-state cotangent). Triton: pallas_scan.scan_forward / scan_backward with the op's launch "
-           "parameters for the chunk (Config.for_chunk). Mosaic GPU: pallas_kernels/kda/mosaic_scan*.py "
+           "final-state cotangent). Triton: scan.scan_forward / scan_backward with the op's launch "
+           "parameters for the chunk (Config.for_chunk). Mosaic GPU: pallas_kernels/kda/mosaic/scan_*.py "
            "(wgmma, a TMA ring of chunk slots; one warpgroup per program). ms: median of back-to-back "
            "calls. Errors: ||x - y|| / ||y||, the worse of o and the final state (forward), the worst of "
            "dV', the per-chunk dS and dS0 (backward), against the Triton scan at the same chunk and V "
@@ -157,7 +157,7 @@ def triton_scan(block_v, tuning, interpret):
   import jax
   import jax.numpy as jnp
 
-  from pallas_kernels.kda.pallas_scan import scan_forward
+  from pallas_kernels.kda.scan import scan_forward
 
   return jax.jit(lambda *a: scan_forward(*a, out_dtype=jnp.bfloat16, block_v=block_v, big="bf16",
                                          interpret=interpret, tuning=tuning)[:2])
@@ -167,7 +167,7 @@ def mosaic_scan(block_v, stages, interpret):
   import jax
   import jax.numpy as jnp
 
-  from pallas_kernels.kda.mosaic_scan import scan_forward_mosaic
+  from pallas_kernels.kda.mosaic.scan_forward import scan_forward_mosaic
 
   return jax.jit(lambda *a: scan_forward_mosaic(*a, out_dtype=jnp.bfloat16, block_v=block_v, stages=stages,
                                                 interpret=interpret)[:2])
@@ -177,7 +177,7 @@ def triton_scan_backward(block_v, tuning, interpret):
   import jax
   import jax.numpy as jnp
 
-  from pallas_kernels.kda.pallas_scan import scan_backward
+  from pallas_kernels.kda.scan import scan_backward
 
   return jax.jit(lambda *a: scan_backward(*a, store_dtype=jnp.bfloat16, block_v=block_v, big="bf16",
                                           interpret=interpret, tuning=tuning))
@@ -187,7 +187,7 @@ def mosaic_scan_backward(block_v, stages, interpret):
   import jax
   import jax.numpy as jnp
 
-  from pallas_kernels.kda.mosaic_scan_bwd import scan_backward_mosaic
+  from pallas_kernels.kda.mosaic.scan_backward import scan_backward_mosaic
 
   return jax.jit(lambda *a: scan_backward_mosaic(*a, store_dtype=jnp.bfloat16, block_v=block_v,
                                                  stages=stages, interpret=interpret))
@@ -198,9 +198,9 @@ def main():
   import jax
   import jax.numpy as jnp
 
-  from pallas_kernels.kda.mosaic_scan import smem_bytes
-  from pallas_kernels.kda.mosaic_scan_bwd import smem_bytes_backward
-  from pallas_kernels.kda.pallas_op import Config
+  from pallas_kernels.kda.config import Config
+  from pallas_kernels.kda.mosaic.scan_backward import smem_bytes_backward
+  from pallas_kernels.kda.mosaic.scan_forward import smem_bytes
 
   smoke = args.smoke
   B, T, H, D = (SMOKE_SHAPE if smoke else SHAPE).values()

@@ -84,7 +84,7 @@ def main():
 
   from benchmarks.step_setup import load_config
   from moejax.training.muon import NS_COEFFS, newton_schulz, scale_by_muon
-  from pallas_kernels.kda.pallas_backend import Tuning
+  from pallas_kernels.kda.lowering import Tuning
   from pallas_kernels.newton_schulz import GRAM_BLOCKS, POLY_BLOCKS, Blocks, gram_poly
 
   ours = "interpret" if args.smoke else "pallas"

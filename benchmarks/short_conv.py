@@ -22,7 +22,7 @@ import numpy as np
 
 from benchmarks.report import fwd_bwd_table, kernel_benchmark_args, provenance, publish, relative_error
 from benchmarks.timing import copy_floor_note, time_ms
-from pallas_kernels.kda.pallas_backend import Tuning
+from pallas_kernels.kda.lowering import Tuning
 from pallas_kernels.short_conv import Blocks, conv_silu
 
 SECTION = "Short convolution"

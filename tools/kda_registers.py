@@ -30,7 +30,7 @@ KNOBS = {"prep_fwd": ("block_fwd", "prep_fwd"), "prep_bwd": ("block", "prep_bwd"
 
 def block_warps(config) -> collections.defaultdict:
   """{kernel name: warps per block}: the Triton kernels' launch settings at chunk 32 (Config.for_chunk),
-  and one warpgroup for the Mosaic GPU scans (mosaic_scan.launch)."""
+  and one warpgroup for the Mosaic GPU scans (mosaic.common.launch)."""
   c = config.for_chunk(32)
   out = collections.defaultdict(lambda: 4)  # the Mosaic scans' one warpgroup
   out.update(kda_prep_fwd=c.prep_fwd.num_warps, kda_prep_bwd=c.prep_bwd.num_warps,
@@ -46,7 +46,7 @@ def compile_op(config, shape: tuple[int, int, int], gates: str, chunk: int,
   import jax
   import jax.numpy as jnp
 
-  from pallas_kernels.kda.pallas_op import chunk_kda_pallas
+  from pallas_kernels.kda.ops import chunk_kda_pallas
 
   B, T, H = shape
   D = 128
@@ -82,8 +82,8 @@ def main(argv=None) -> None:
   args.shape = args.shape or ((1, 32768, 16) if args.forward_only else (2, 8192, 16))
   log = deviceless.verbose_ptxas()
 
-  from pallas_kernels.kda.pallas_backend import Tuning
-  from pallas_kernels.kda.pallas_op import Config
+  from pallas_kernels.kda.config import Config
+  from pallas_kernels.kda.lowering import Tuning
 
   runs = [("defaults", Config(), "kda_")]  # every KDA kernel; then only the one a setting changes
   for knob, (block_field, tuning_field) in KNOBS.items():

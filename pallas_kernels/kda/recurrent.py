@@ -1,4 +1,4 @@
-"""KDA as a token-by-token lax.scan: the slow, obviously-correct reference (DESIGN §2).
+"""KDA as a token-by-token lax.scan: the slow, obviously-correct reference (docs/design.md §2).
 
 Per head:  S_t = (I - b_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + b_t k_t v_t^T,  o_t = scale * S_t^T q_t.
 Written as S' = Diag(exp(g_t)) S;  S_t = S' + b_t k_t (v_t - S'^T k_t)^T, which is the same product.
@@ -42,7 +42,7 @@ def _recurrent(q, k, v, g, beta, scale, initial_state, reset_BT, output_final_st
 
 def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                   segment_ids=None):
-  """Token-by-token KDA. Same contract as `chunk_kda` (see pallas_kernels/kda/api.py).
+  """Token-by-token KDA. Same contract as `chunk_kda` (see pallas_kernels/kda/ops.py).
 
   Returns (o [B,T,H,V] in v's dtype, final_state [B,H,K,V] float32 or None).
   """

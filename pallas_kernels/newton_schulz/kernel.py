@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.pallas_backend import Tuning, launch
+from pallas_kernels.kda.lowering import Tuning, launch
 from pallas_kernels.triton_masks import load, mask_and, next_pow2, store
 
 _F32 = jnp.float32
@@ -57,7 +57,8 @@ class Blocks:
 
 
 GRAM_BLOCKS = Blocks()
-"""S = X X^T's blocks: the fastest of session 23's sweep on the largest group (1920 x 512 x 768, H100)."""
+"""S = X X^T's blocks: the fastest of the sweep on the largest group (1920 x 512 x 768, H100; BENCHMARKS.md,
+"Muon Newton-Schulz")."""
 POLY_BLOCKS = Blocks(depth=128)
 """P = a I + b S + c S^2's blocks: in bf16, depth 128 took 1.238 ms against depth 64's 1.343 on that
 group's 512 x 512 S (BENCHMARKS.md, "Muon Newton-Schulz"), where X X^T was faster at depth 64. In

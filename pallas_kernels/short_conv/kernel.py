@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.kda.pallas_backend import Tuning, launch
+from pallas_kernels.kda.lowering import Tuning, launch
 from pallas_kernels.short_conv.reference import silu_grad
 
 _F32 = jnp.float32

@@ -5,7 +5,7 @@
       or, with normalize_eps, l2_normalize(that y, as float32, over the last axis), in out_dtype
 
 x may carry extra channel axes ([B,T,H,K] with w [W,H,K]). The normalised form is the KDA layer's q and
-k (DESIGN §2), and the Pallas kernels normalise each head in the tile that makes it, so the l2 norm costs
+k (docs/design.md §2), and the Pallas kernels normalise each head in the tile that makes it, so the l2 norm costs
 no pass of its own, forward or backward. "pallas" runs kernel.py's Triton-lowered kernels on a GPU,
 "interpret" the same kernels in Pallas interpret mode (how CI tests them), "xla" the reference's
 forward with a hand-written backward pass (reference.short_conv_vjp; tests hold both to autodiff of the
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import require_gpu
-from pallas_kernels.kda.pallas_backend import Tuning
+from pallas_kernels.kda.lowering import Tuning
 from pallas_kernels.short_conv import kernel
 from pallas_kernels.short_conv import reference as ref
 from pallas_kernels.short_conv.reference import check_channels, short_conv, short_conv_vjp, silu_grad

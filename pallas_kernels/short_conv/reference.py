@@ -1,4 +1,4 @@
-"""Reference causal depthwise short convolution within documents (DESIGN §2), in XLA: the
+"""Reference causal depthwise short convolution within documents (docs/design.md §2), in XLA: the
 implementation the Pallas kernels (kernel.py) must match, and the one that runs off the GPU."""
 
 import jax

@@ -1,4 +1,4 @@
-"""The Mosaic GPU ports of KDA's state scans (pallas_kernels.kda.mosaic_scan and mosaic_scan_bwd) on the
+"""The Mosaic GPU ports of KDA's state scans (pallas_kernels.kda.mosaic) on the
 CPU: Mosaic GPU interpret mode against float64 loops over the recurrences and against the Triton scans in
 interpret mode (keep mode's states and V' too), with the interpreter's race detector watching the TMA slot
 rings and the stores; their lowering for CUDA at the benchmark's shapes (lowering needs no GPU: it catches
@@ -14,25 +14,24 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
 from benchmarks.kda_backend import TITLE
 from benchmarks.report import replace_section
-from pallas_kernels.kda.mosaic_scan import (
-  scan_forward_mosaic,
-  scan_kernel,
-  segment_length,
-  segmented_chunks,
-  smem_bytes,
-  unsupported,
-)
-from pallas_kernels.kda.mosaic_scan_bwd import (
+from pallas_kernels.kda.lowering import Tuning
+from pallas_kernels.kda.mosaic.scan_backward import (
   scan_backward_mosaic,
   smem_bytes_backward,
   unsupported_backward,
 )
-from pallas_kernels.kda.pallas_backend import Tuning
-from pallas_kernels.kda.pallas_scan import scan_backward, scan_forward
+from pallas_kernels.kda.mosaic.scan_forward import (
+  scan_forward_mosaic,
+  scan_kernel,
+  smem_bytes,
+  unsupported,
+)
+from pallas_kernels.kda.mosaic.scan_segmented import segment_length, segmented_chunks
+from pallas_kernels.kda.scan import scan_backward, scan_forward
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 H200_SMEM = 227 * 1024  # what one CUDA block may ask for on an H100 / H200
 
@@ -233,7 +232,7 @@ SEGMENT_CASES = [(2, 4, 32, 64, 32, 2, jnp.bfloat16), (3, 3, 16, 32, 32, 2, jnp.
 @pytest.mark.parametrize("P,N,C,V,block_v,stages,dtype", SEGMENT_CASES)
 def test_segments_match_the_recurrence_and_the_whole_pass(P, N, C, V, block_v, stages, dtype):
   """The chunks walked in P segments at once, the later ones corrected by their entering states
-  (mosaic_scan_split), against float64 and against one pass over all of them: within bf16 operand
+  (mosaic.scan_segmented), against float64 and against one pass over all of them: within bf16 operand
   rounding, with states that carry over many chunks (decays in (0.3, 1]) and an initial state. No races
   in the kernel, whose homogeneous programs store to their own output."""
   inputs = scan_inputs(4, B=2, H=2, N=N, C=C, K=64, V=V, dtype=dtype)

@@ -12,10 +12,11 @@ import pytest
 from hypothesis import given, settings
 from references import doc_lengths, ids_from_lengths
 
-from pallas_kernels.kda import chunk_kda
-from pallas_kernels.kda import pallas_tiles as tiles
+from pallas_kernels.kda import chunk_kda, tiles
+from pallas_kernels.kda.config import Config, segment_programs
 from pallas_kernels.kda.inputs import resets
-from pallas_kernels.kda.pallas_op import MIN_SEGMENTED_CHUNKS, Config, chunk_kda_pallas, segment_programs
+from pallas_kernels.kda.ops import chunk_kda_pallas
+from pallas_kernels.kda.tuning import MIN_SEGMENTED_CHUNKS
 
 LB = -5.0
 
@@ -183,7 +184,7 @@ def test_in_kernel_gate_cumsum_is_exact_to_float32_rounding(dtype):
 
 @pytest.mark.parametrize("n", [2, 16, 32, 64])
 def test_solve_inverse_against_float64(n):
-  """pallas_tiles.inverse, (I + A)^{-1} by doubling for a strictly lower-triangular A, against float64,
+  """tiles.inverse, (I + A)^{-1} by doubling for a strictly lower-triangular A, against float64,
   at exact float32 dots, for entries of both signs and a row scale like the op's beta."""
   rng = np.random.default_rng(n)
   A = np.tril(rng.uniform(-1.0, 1.0, size=(n, n)), -1) * rng.uniform(0.0, 1.0, size=(n, 1)) / np.sqrt(n)
@@ -375,7 +376,7 @@ def test_default_implementation_on_cpu_is_xla():
 
 def test_launch_parameters_follow_the_chunk_unless_set():
   """Unset launch parameters take the ones measured for the chunk size; set ones are kept."""
-  from pallas_kernels.kda.pallas_backend import Tuning
+  from pallas_kernels.kda.lowering import Tuning
   at_32, at_64 = Config().for_chunk(32), Config(prep_bwd=Tuning(8, 1)).for_chunk(64)
   assert (at_32.prep_bwd, at_32.scan_fwd, at_32.block_fwd) == (Tuning(2, 1), Tuning(4, 3), 128)
   assert (at_64.prep_bwd, at_64.scan_fwd, at_64.block_fwd) == (Tuning(8, 1), Tuning(4, 2), 32)

@@ -1,7 +1,7 @@
-"""The backward inter-chunk state pass of KDA (pallas_scan.scan_backward) on the Mosaic GPU lowering;
-the forward, the shared helpers and the limits are in mosaic_scan. The op runs it where it applies
-(pallas_op.Config.scan_lowering): at B=2 T=8192 H=16, chunk 32, it took 0.281 ms against the Triton
-version's 0.447 on the H200 (benchmarks/kda_backend.py).
+"""The backward inter-chunk state pass of KDA (scan.scan_backward) on the Mosaic GPU lowering; the
+forward is in scan_forward.py, the shared helpers and the limits in common.py. The op runs it where it
+applies (config.Config.scan_lowering), where it measured faster than the Triton version
+(BENCHMARKS.md, "Pallas backend: Triton vs Mosaic GPU"; benchmarks/kda_backend.py).
 
 Backward (scan_backward_mosaic). Same grid; each program walks the chunks from the last with the [K, BV]
 float32 cotangent dS of the state leaving the chunk:
@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.mosaic_scan import (
+from pallas_kernels.kda.mosaic.common import (
   check_scan,
   launch,
   load_decay,
@@ -117,7 +117,7 @@ def unsupported_backward(K: int, C: int, block_v: int, V: int, store_dtype, stag
 
 def scan_backward_mosaic(dO, Aqk, kd, W, qg, sdec, dSfin, *, store_dtype, block_v: int, stages: int = 2,
                          interpret=False):
-  """Returns (dV', dS_next, dS0) like pallas_scan.scan_backward with big="bf16": dV' [B,H,T,V] and the
+  """Returns (dV', dS_next, dS0) like scan.scan_backward with big="bf16": dV' [B,H,T,V] and the
   cotangent of the state leaving each chunk [B,H,N,K,V] (the dS that enters the chunk's update), both in
   store_dtype, and the cotangent of the initial state [B,H,K,V] float32. dO is [B,T,H,V], like o; dSfin
   [B,H,K,V] is the cotangent of the final state. store_dtype must be bf16 (ValueError otherwise): the

@@ -1,7 +1,8 @@
-"""The Triton lowering of the KDA kernels: they only call `launch`, `barrier` and the dot helpers below.
-The state passes, forward and backward, also have Mosaic GPU ports (mosaic_scan, mosaic_scan_bwd),
-which the op picks where they apply (pallas_op.Config.scan_lowering) because they measured faster; the
-other kernels were not ported (BENCHMARKS.md, "KDA kernel", "Pallas backend").
+"""The Triton lowering of the KDA kernels (forward.py, backward.py, scan.py): they only call `launch`,
+`barrier` and the dot helpers below. The state passes, forward and backward, also have Mosaic GPU ports
+(mosaic/), which the op picks where they apply (config.Config.scan_lowering) because they measured
+faster; the other kernels were not ported (BENCHMARKS.md, "KDA kernel" and "Pallas backend: Triton vs
+Mosaic GPU").
 
 Dot precisions: "bf16" casts both operands to bf16 (float32 accumulation), "tf32" keeps float32
 operands at the default precision (TF32 on the GPU), "f32" asks for exact float32 (IEEE on the GPU).

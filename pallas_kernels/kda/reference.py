@@ -1,4 +1,5 @@
-"""KDA in chunked matmul form, pure XLA (DESIGN §2 "Chunked form").
+"""KDA in chunked matmul form, pure XLA (docs/design.md §2 "Chunked form"): the reference the Pallas
+kernels are tested against.
 
 With C-token chunks and G = in-chunk inclusive cumsum of g, each chunk with incoming state S gives
   A_kk[i,j] = b_i sum_d k_id k_jd e^{G_id - G_jd} (j < i),   M = (I + A_kk)^{-1} Diag(b),

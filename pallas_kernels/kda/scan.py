@@ -1,4 +1,5 @@
-"""The sequential inter-chunk state pass of KDA, forward and backward.
+"""The sequential inter-chunk state pass of KDA, forward and backward, on the Triton lowering (its Mosaic
+GPU ports are in mosaic/).
 
 The V columns of the state evolve independently, so each program owns one (V block, head, batch row)
 and walks the chunks in order (forward) or in reverse (backward). Small V blocks put more programs in
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.pallas_backend import Tuning, dot, dot_tn, launch
+from pallas_kernels.kda.lowering import Tuning, dot, dot_tn, launch
 
 
 def _check_block(V, block_v):

@@ -1,8 +1,8 @@
-"""The inter-chunk state passes of KDA on the Mosaic GPU lowering: here the forward
-(pallas_scan.scan_forward) and the helpers both passes share, in mosaic_scan_bwd the backward
-(pallas_scan.scan_backward), so that the two Pallas lowerings can be measured side by side
-(benchmarks/kda_backend.py). The op runs both ports where they apply (pallas_op.Config.scan_lowering):
-on the H200 they took 0.60-0.70 of the Triton passes' time (BENCHMARKS.md, "Pallas backend").
+"""The forward inter-chunk state pass of KDA (scan.scan_forward) on the Mosaic GPU lowering; the
+backward is in scan_backward.py, the helpers both share and the limits in common.py, the walk in
+segments in scan_segmented.py. The two Pallas lowerings can be measured side by side
+(benchmarks/kda_backend.py); the op runs both ports where they apply (config.Config.scan_lowering), where
+they measured faster than the Triton passes (BENCHMARKS.md, "Pallas backend: Triton vs Mosaic GPU").
 
 Forward (scan_forward_mosaic). Same recurrence and grid as the Triton version: one program (one
 warpgroup, one CUDA block) per (V block, head, batch row) walks the N = T/C chunks in order with a [K, BV]
@@ -37,20 +37,14 @@ How it maps onto Hopper:
   tile uses 2 * min(BV, C, 64) bytes: BV = 16 forces the narrowest, 32 bytes; BV = 64 with C = 64 gets
   the full 128 bytes.
 
-Backward: mosaic_scan_bwd. Look-ahead forms of both passes (the next chunk's V' or dV' made in this
-chunk's round of wgmmas, one round trip through the tensor cores per chunk instead of two) measured
-1.6x and 2.2x slower on the H200 and were removed (BENCHMARKS.md, "Pallas backend").
+Look-ahead forms of both passes (the next chunk's V' or dV' made in this chunk's round of wgmmas, one
+round trip through the tensor cores per chunk instead of two) measured slower on the H200 and were
+removed (BENCHMARKS.md, "Pallas backend: Triton vs Mosaic GPU").
 
-Limits: K a multiple of 64 (the state is the M side of kd^T V', qg^T dO and W^T dV'); C and BV powers of
-two >= 16, BV <= 256; shared memory (smem_bytes, smem_bytes_backward) within the H200's 227 KiB
-(SMEM_LIMIT), which at K = 128 rules out C = 128 except with one slot; bf16 stores (keep mode's states and
-V', the backward's dV' and dS) only. `unsupported` and `unsupported_backward` apply these rules for the op.
-Interpret mode (interpret=True) runs the kernels on the CPU but executes wgmma and TMA stores
-synchronously, so it checks the data flow and the slot rings' barriers, not the asynchronous waits.
+Limits and interpret mode: common.py.
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -58,66 +52,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-ROWS = 64  # wgmma M tile of one warpgroup
-SMEM_LIMIT = 227 * 1024  # shared memory one CUDA block may ask for on an H100 / H200
-
-
-def smem_transforms(dtype, width: int, max_elems: int | None = None):
-  """Tiling + swizzle of a shared-memory tile whose last dimension is `width` elements: the widest
-  swizzle (<= 128 bytes, and <= max_elems elements when given) whose row of elements divides `width`."""
-  size = jnp.dtype(dtype).itemsize
-  elems = min(128 // size, width, max_elems or width)
-  if elems * size < 32 or width % elems:
-    raise ValueError(f"no wgmma swizzle fits a last dimension of {width} {jnp.dtype(dtype).name}")
-  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(elems * size))
-
-
-def check_shapes(K: int, C: int, block_v: int, V: int):
-  """Raises ValueError for shapes this port does not take (see the module docstring)."""
-  pow2 = lambda n: n >= 16 and not n & (n - 1)
-  if K % ROWS:
-    raise ValueError(f"key width {K} must be a multiple of {ROWS} (wgmma rows)")
-  if not pow2(C):
-    raise ValueError(f"chunk {C} must be a power of two >= 16")
-  if not pow2(block_v) or block_v > 256:
-    raise ValueError(f"V block {block_v} must be a power of two in [16, 256]")
-  if V % block_v:
-    raise ValueError(f"V block {block_v} must divide the value width {V}")
-
-
-def check_scan(K: int, C: int, block_v: int, V: int, T: int, stages: int, bf16_stores: tuple = ()):
-  """Raises ValueError for what a Mosaic scan cannot take: shapes (check_shapes), a length that is not
-  a whole number of chunks, no slots, or stores asked for in another dtype than bf16
-  (bf16_stores: (name, dtype) pairs; the kernels store their bf16 operand tiles)."""
-  for name, dtype in bf16_stores:
-    if jnp.dtype(dtype) != jnp.bfloat16:
-      raise ValueError(f"{name} must be bfloat16 (the kernel stores its bf16 operand tiles), got "
-                       f"{jnp.dtype(dtype).name}")
-  check_shapes(K, C, block_v, V)
-  if T % C:
-    raise ValueError(f"length {T} must be a whole number of chunks of {C}")
-  if stages < 1:
-    raise ValueError(f"stages must be >= 1, got {stages}")
-
-
-def launch(body, out_type, scratch, *, grid, interpret, name: str):
-  """The scans' plgpu.kernel: one warpgroup per program over grid = (V blocks, heads, batch rows), named
-  v, h, b; interpret True (or plgpu.InterpretGPUParams) runs it in Mosaic GPU interpret mode."""
-  if interpret is True:
-    interpret = plgpu.InterpretGPUParams()
-  return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("v", "h", "b"),
-                      interpret=interpret or None, kernel_name=name)
-
-
-def load_decay(sdec_ref):
-  """A slot's decay factors [K] from shared memory, laid out to scale the rows of a wgmma accumulator."""
-  return plgpu.load(sdec_ref, layout=plgpu.Layout.WGMMA.reduce(1))
-
-
-def scale_rows(x_KV, decay_K):
-  """diag(decay) x for an accumulator-layout [K, BV] x."""
-  return x_KV * lax.broadcast_in_dim(decay_K, x_KV.shape, [0])
-
+from pallas_kernels.kda.mosaic import scan_segmented
+from pallas_kernels.kda.mosaic.common import (
+  check_scan,
+  launch,
+  load_decay,
+  scale_rows,
+  shape_or_memory,
+  smem_buffer,
+  smem_transforms,
+  tile_rows,
+)
 
 FORWARD_COPIES = 6  # the TMA copies of one chunk in fetch_forward
 
@@ -135,19 +80,6 @@ def fetch_forward(src, dst, *, b, h, c, cols, C: int, first: int, bar):
   plgpu.copy_gmem_to_smem(U_g.at[b, h, rows, cols], U_s.at[pl.ds(0, C)], bar)
   plgpu.copy_gmem_to_smem(Aqk_g.at[b, h, rows], Aqk_s.at[pl.ds(first, C)], bar)
   plgpu.copy_gmem_to_smem(sdec_g.at[b, h, c], sdec_s, bar)
-
-
-def tile_rows(C: int):
-  """Rows of the stacked tiles at chunk C: R of [W; qg] (W in rows [0, C), qg in [C, 2C)), `lo`, the
-  first row of [W; qg] that the output tile covers, and X of the U and V' tiles (rows [0, C) used)."""
-  R = -(-2 * C // ROWS) * ROWS
-  return R, C // ROWS * ROWS, -(-C // ROWS) * ROWS
-
-
-def smem_buffer(dtype, *shape) -> int:
-  """Bytes of one shared-memory scratch buffer as Mosaic GPU counts them: rounded up to the 1 KiB it
-  aligns scratch to."""
-  return -(-math.prod(shape) * jnp.dtype(dtype).itemsize // 1024) * 1024
 
 
 def smem_bytes(K: int, C: int, block_v: int, stages: int, out_dtype, u_dtype=jnp.bfloat16) -> int:
@@ -172,66 +104,37 @@ def unsupported(K: int, C: int, block_v: int, V: int, store_dtype, stages: int) 
   return shape_or_memory(K, C, block_v, V, stages, lambda: smem_bytes(K, C, block_v, stages, jnp.float32))
 
 
-def shape_or_memory(K: int, C: int, block_v: int, V: int, stages: int, need) -> str | None:
-  """Why a Mosaic scan cannot take these shapes, or `need()` bytes of shared memory; None when it can."""
-  try:
-    check_shapes(K, C, block_v, V)
-  except ValueError as e:
-    return str(e)
-  if (n := need()) > SMEM_LIMIT:
-    return f"it needs {n} bytes of shared memory at {stages} slots; one block may use {SMEM_LIMIT}"
-  return None
-
-
 def scan_forward_mosaic(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int, stages: int = 2,
                         states_dtype=None, segments: int = 1, interpret=False):
-  """Returns (o, S_fin, states, V') like pallas_scan.scan_forward: o [B,T,H,V] in out_dtype, the final
+  """Returns (o, S_fin, states, V') like scan.scan_forward: o [B,T,H,V] in out_dtype, the final
   state [B,H,K,V] float32, and, when states_dtype is given, the state entering each chunk [B,H,N,K,V] and
   V' = U - W S [B,H,T,V] in that dtype (else None, None). states_dtype must be bf16 (ValueError
   otherwise): the stores reuse the bf16 tiles the products read. stages: chunk slots in flight (2:
   double-buffered). segments > 1 (not with states_dtype): the chunks are walked in that many segments at
-  once (module docstring of mosaic_scan_split). interpret: True (or plgpu.InterpretGPUParams) runs the
+  once (module docstring of scan_segmented). interpret: True (or plgpu.InterpretGPUParams) runs the
   kernel in Mosaic GPU interpret mode on the CPU."""
   if segments != 1:
-    from pallas_kernels.kda import mosaic_scan_split
     if states_dtype is not None:
       raise ValueError("a segmented scan keeps no states: its later segments' are off by their entering "
                        "state's part")
-    return mosaic_scan_split.scan_forward_segmented(W, U, qg, kd, Aqk, sdec, S0, out_dtype=out_dtype,
-                                                    block_v=block_v, stages=stages, segments=segments,
-                                                    interpret=interpret)
+    B, H, _, K = W.shape
+    S0_ext = scan_segmented.initial_states(S0, segments, B=B, H=H, K=K, V=U.shape[-1])
+    o, o_hom, S_ext = scan_kernel(W, U, qg, kd, Aqk, sdec, S0_ext, out_dtype=out_dtype, block_v=block_v,
+                                  stages=stages, segments=segments, interpret=interpret)
+    return (*scan_segmented.join(o, o_hom, S_ext, segments, interpret=bool(interpret)), None, None)
   o, S_fin, *kept = scan_kernel(W, U, qg, kd, Aqk, sdec, S0, out_dtype=out_dtype, block_v=block_v,
                                 stages=stages, states_dtype=states_dtype, interpret=interpret)
   return (o, S_fin, *kept) if kept else (o, S_fin, None, None)
-
-
-def segment_length(N: int, P: int, C: int) -> int | None:
-  """Chunks in each of segments 0..P-2 when a row of N chunks of C rows is walked in P segments; the last
-  segment takes the other N - (P - 1) Ns, from 1 to Ns. Ns is N / P rounded up, and further up to whole
-  64-row blocks (the rows of a program of mosaic_scan_split.add_entering) where the last segment keeps a
-  chunk. None where no Ns leaves the last segment a chunk (N = 4, P = 3): pad the row to
-  segmented_chunks."""
-  Ns = -(-N // P)
-  per_block = max(1, ROWS // C)
-  rounded = -(-Ns // per_block) * per_block
-  if (P - 1) * rounded < N:
-    return rounded
-  return Ns if (P - 1) * Ns < N else None
-
-
-def segmented_chunks(N: int, P: int, C: int) -> int:
-  """The fewest chunks, at least N, that a row can be walked in P segments over (segment_length)."""
-  return N if segment_length(N, P, C) is not None else P * -(-N // P)
 
 
 def scan_kernel(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int, stages: int, states_dtype=None,
                 segments: int = 1, interpret=False):
   """The forward pass's kernel. With segments = 1: (o, S_fin) or (o, S_fin, states, V') as
   scan_forward_mosaic returns them. With P = segments > 1 the N chunks split into P segments (Ns =
-  segment_length chunks each, the last the rest), all walked at once, each from its own state S0
-  [B*P,H,K,V+K] (row b*P + p: segment p of batch row b), and K more column blocks per segment walk the
-  homogeneous pass: U read as zero, from S0's last K columns (the identity, where the caller wants the
-  segment's transition). Returns (o [B,T,H,V] of the local passes, the homogeneous passes' outputs
+  scan_segmented.segment_length chunks each, the last the rest), all walked at once, each from its own
+  state S0 [B*P,H,K,V+K] (row b*P + p: segment p of batch row b), and K more column blocks per segment
+  walk the homogeneous pass: U read as zero, from S0's last K columns (the identity, where the caller
+  wants the segment's transition). Returns (o [B,T,H,V] of the local passes, the homogeneous passes' outputs
   [B,T-Ns*C,H,K] of segments 1..P-1, the final states [B*P,H,K,V+K]); segment 0's homogeneous programs
   do not run, their final state columns are left unwritten."""
   B, H, T, K = W.shape
@@ -242,7 +145,7 @@ def scan_kernel(W, U, qg, kd, Aqk, sdec, S0, *, out_dtype, block_v: int, stages:
   P = segments
   keep = states_dtype is not None
   check_scan(K, C, BV, V, T, stages, bf16_stores=(("states_dtype", states_dtype),) if keep else ())
-  Ns = segment_length(N, P, C) if P > 1 else N
+  Ns = scan_segmented.segment_length(N, P, C) if P > 1 else N
   if P > 1 and (keep or Ns is None or K % BV):
     raise ValueError(f"a scan in {P} segments needs no kept states, a chunk in every segment ({N} chunks) "
                      f"and V blocks ({BV}) that divide K ({K})")
