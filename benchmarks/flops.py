@@ -1,5 +1,5 @@
-"""FLOP counts shared by the benchmarks: the chunked KDA form, causal softmax attention, and Muon's
-orthogonalisation.
+"""FLOP counts shared by the benchmarks: the chunked KDA form, causal softmax attention within documents,
+and Muon's orthogonalisation.
 
 Forward FLOPs per token; a training step counts three times the forward (the backward as twice the
 forward), without rematerialised recomputation.
@@ -14,10 +14,26 @@ def kda_forward_flops_per_token(heads: int, k_dim: int, v_dim: int, chunk: int) 
   return heads * per_chunk / C
 
 
-def causal_attention_forward_flops_per_token(heads: int, qk_dim: int, v_dim: int, seq_len: int) -> float:
-  """QK^T and PV over a causal row of `seq_len`: each query sees (T + 1) / 2 keys on average. Packed
-  documents are not subtracted: the fused kernels skip only the upper triangle."""
-  return 2 * heads * (qk_dim + v_dim) * (seq_len + 1) / 2
+def causal_attention_forward_flops_per_token(heads: int, qk_dim: int, v_dim: int,
+                                             keys_per_query: float) -> float:
+  """QK^T and PV where a query sees `keys_per_query` keys on average: (T + 1) / 2 for one causal row
+  of T tokens, fewer for packed documents (`visible_keys_per_query`)."""
+  return 2 * heads * (qk_dim + v_dim) * keys_per_query
+
+
+def visible_keys_per_query(segment_ids_BT) -> float:
+  """The mean number of keys a query attends to under causal attention within documents: a document
+  of L tokens holds L (L + 1) / 2 (query, key) pairs. What the document-attention kernels compute on
+  packed rows, where causal attention over the whole row would count pairs across documents too."""
+  import numpy as np
+
+  seg = np.asarray(segment_ids_BT)
+  starts = np.concatenate([np.ones((seg.shape[0], 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+  pairs = 0
+  for row in starts:
+    lengths = np.diff(np.append(np.flatnonzero(row), row.size))
+    pairs += int(np.sum(lengths * (lengths + 1) // 2))
+  return pairs / seg.size
 
 
 def newton_schulz_flops(shapes: list[tuple[int, int, int]], steps: int = 5, symmetric: bool = False) -> float:

@@ -18,10 +18,12 @@ Batches are synthetic: uniform random tokens packed into documents of random len
 step is `moejax.training.step.jit_train_step`, the one `python -m moejax.train` runs (its state donated, its
 XLA options from config.train).
 
-MFU = tokens/s x model FLOPs per token / the bf16 matmul rate measured in the same call (XLA's
-8192^3 dot). Model FLOPs per token = 3 x forward: 2 per active matmul weight (routed experts at
-top_k/num_experts, the LM head included, the embedding gather not), the chunked KDA form, and causal
-attention over the whole row for MLA (benchmarks/flops.py). Rematerialisation is not counted.
+MFU = tokens/s x model FLOPs per token / a rate, given twice: against the card's data-sheet dense bf16
+peak (benchmarks/timing.py, SPEC_BF16_PEAK), and against the bf16 matmul rate measured in the same call
+(XLA's 8192^3 dot). Model FLOPs per token = 3 x forward: 2 per active matmul weight (routed experts at
+top_k/num_experts, the LM head included, the embedding gather not), the chunked KDA form, and MLA's
+causal attention within the documents of the timed batch, the pairs its kernels compute on packed rows
+(benchmarks/flops.py). Rematerialisation is not counted.
 
 Components are timed alone, forward and backward, on the step's own shapes (one layer each), then
 multiplied by how often the model holds them; "rest" is the step minus their sum (AttnRes, the
@@ -67,8 +69,9 @@ from benchmarks.step_setup import (
   synthetic_batch,
   total_steps,
 )
-from benchmarks.timing import matmul_rate
+from benchmarks.timing import matmul_rate, spec_bf16_peak
 from moejax.config import passes_per_step
+from moejax.device_memory import use_default_memory_fraction
 from moejax.layers.mla import GatedMLA
 from moejax.model import build_model
 from moejax.training.muon import NS_STEPS, resolve_ns
@@ -188,14 +191,17 @@ def bench_step(args, device, write) -> list[str]:
   r = time_steps(config, batch, args.steps, mesh)
   peak = peak_memory_bytes()
   mem = "n/a" if peak is None else f"{peak / 2**30:.1f} GiB"
-  flops = model_flops_per_token(config, r["params"], seq_len)
+  flops = model_flops_per_token(config, r["params"], batch["segment_ids"])
   tokens_per_s = tokens / r["step_s"]
   mfu = tokens_per_s * flops["total"] / (peak_rate * n_dev)
+  spec = spec_bf16_peak(device)
+  mfu_spec = "n/a (card not in benchmarks/timing.py)" if spec is None else \
+      f"{tokens_per_s * flops['total'] / (spec * n_dev):.1%}"
   step_ms = r["step_s"] * 1e3
   mesh_text = " x ".join(f"{a}={n}" for a, n in dict(mesh.shape).items() if n > 1) or "one device"
   log(f"mesh {mesh_text}: step {step_ms:.1f} ms, {tokens_per_s:,.0f} tokens/s "
       f"({tokens_per_s / n_dev:,.0f} per device), {flops['total'] / 1e9:.2f} GFLOP/token, "
-      f"MFU {mfu:.1%}, peak memory {mem}, compile {r['compile_s']:.0f} s, dropped {r['dropped']:.0f}")
+      f"MFU {mfu_spec} of the spec peak, {mfu:.1%} of the measured matmul rate, peak memory {mem}, compile {r['compile_s']:.0f} s, dropped {r['dropped']:.0f}")
   in_passes = f"; {passes} passes of {tokens // passes} tokens each" if passes > 1 else ""
   lines = [
       f"`{args.config}` at seq_len {seq_len}, {tokens} tokens per step ({tokens // seq_len} rows{in_passes}) "
@@ -207,7 +213,10 @@ def bench_step(args, device, write) -> list[str]:
       f"| tokens/s per device | {tokens_per_s / n_dev:,.0f} |",
       *(f"| model FLOPs/token: {k} | {v / 1e9:.3f} G |" for k, v in flops.items()),
       f"| bf16 matmul rate (XLA {matmul_n}^3, same call) | {peak_rate / 1e12:.1f} TFLOP/s |",
-      f"| **MFU** (per device) | **{mfu:.1%}** (target 35%) |", f"| peak memory | {mem} |",
+      f"| spec dense bf16 peak | {'n/a' if spec is None else f'{spec / 1e12:.1f} TFLOP/s'} |",
+      f"| **MFU** against the spec peak (per device) | **{mfu_spec}** |",
+      f"| **MFU** against the measured matmul rate (per device) | **{mfu:.1%}** (target 35%) |",
+      f"| peak memory | {mem} |",
       f"| compile | {r['compile_s']:.0f} s |", f"| dropped tokens | {r['dropped']:.0f} |",
       *optimizer_rows(config, r["params"], r["axes"], flops["total"] * tokens, mesh)]
   # Written now, so that the step's figures survive a run cut off while it times the components.
@@ -257,7 +266,8 @@ def bench_long(args) -> list[str]:
   cmd = [sys.executable, "-m", "benchmarks.step", "--long-child", "--config", args.config, "--long-seq",
          str(args.long_seq), "--mean-doc", str(args.mean_doc), *(f"--set={s}" for s in args.set)]
   # The 1M-token step needs most of the card: let XLA's allocator take more than its default 75%.
-  env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", **os.environ}
+  env = dict(os.environ)
+  use_default_memory_fraction(env)
   # The child's progress is passed through as it comes, so a run cut off by a time limit still shows
   # how far the 1M-token step got.
   proc = subprocess.Popen(cmd + (["--smoke"] if args.smoke else []), stdout=subprocess.PIPE,
@@ -329,9 +339,9 @@ def main():
   # The 1M-token child runs first, while this process holds no GPU memory: a JAX process keeps the
   # memory its allocator took until it exits, and the child needs most of the card.
   long_lines = bench_long(args) if args.only in (None, "long") else None
-  # Then this process may take 95% of the card too, not XLA's default 75%: 60 GiB of an 80 GiB H100,
-  # on which the 8K step of experiments/h200.py (70.8 GiB at its peak) ran out of memory.
-  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+  # Then this process may take as much of the card as `python -m moejax.train` does, not XLA's default
+  # 75% (moejax/device_memory.py).
+  use_default_memory_fraction()
   device = jax.devices()[0].device_kind
   command = "python -m benchmarks.step " + " ".join(sys.argv[1:])
 

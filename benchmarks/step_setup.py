@@ -17,6 +17,7 @@ import numpy as np
 
 from benchmarks.flops import (
   causal_attention_forward_flops_per_token,
+  visible_keys_per_query,
   kda_forward_flops_per_token,
 )
 from moejax.config import load_experiment, validate
@@ -94,8 +95,9 @@ def synthetic_batch(config, batch: int, seq_len: int, mean_doc: int, seed: int =
           "segment_ids": jnp.asarray(segment_ids), "loss_mask": jnp.ones((batch, seq_len), jnp.float32)}
 
 
-def model_flops_per_token(config, params, seq_len: int) -> dict:
-  """Training FLOPs per token by part (3 x forward; see the module docstring)."""
+def model_flops_per_token(config, params, segment_ids_BT) -> dict:
+  """Training FLOPs per token by part (3 x forward) of a batch packed as `segment_ids_BT`: MLA's
+  attention counts the (query, key) pairs within documents, which is what its kernels compute."""
   m, e = config.model, config.model.moe
   matmul = 0.0
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -108,7 +110,7 @@ def model_flops_per_token(config, params, seq_len: int) -> dict:
   kda = kinds.count("kda") * kda_forward_flops_per_token(m.kda.num_heads, m.kda.head_k_dim,
                                                           m.kda.head_v_dim, m.kda.chunk_size)
   mla = kinds.count("mla") * causal_attention_forward_flops_per_token(
-      m.mla.num_heads, m.mla.qk_nope_head_dim, m.mla.v_head_dim, seq_len)
+      m.mla.num_heads, m.mla.qk_nope_head_dim, m.mla.v_head_dim, visible_keys_per_query(segment_ids_BT))
   parts = {"matmul weights": 3 * matmul, "KDA chunked form": 3 * kda, "MLA attention": 3 * mla}
   return {**parts, "total": sum(parts.values())}
 

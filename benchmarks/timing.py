@@ -11,9 +11,9 @@ def time_ms(fn, *args, calls=None, repeats=None, group_s=0.1, total_s=1.0) -> fl
   is not timed.
 
   A group's first call is dispatched with the device idle, so each group adds one dispatch to the
-  device's time; groups of many calls make that a small part. (At 20 ms a group, a 7 ms call ran in
-  groups of two, and the KDA op's forward at B=1 T=131072 timed 0.27 ms above its kernels' sum in a
-  profile, 0.04 with groups of 100 ms; BENCHMARKS.md, "KDA kernel", session 30.)"""
+  device's time; groups of many calls make that a small part: with short groups a long call runs in
+  groups of two, and its time then sits well above its kernels' sum in a profile (BENCHMARKS.md,
+  "KDA kernel", its conventions)."""
   import jax
 
   jax.block_until_ready(fn(*args))
@@ -30,6 +30,19 @@ def time_ms(fn, *args, calls=None, repeats=None, group_s=0.1, total_s=1.0) -> fl
     jax.block_until_ready(out)
     samples.append((time.perf_counter() - t0) / calls * 1e3)
   return statistics.median(samples)
+
+
+# Dense bf16 tensor-core peaks of the cards' data sheets (SXM parts; without sparsity), FLOP/s, by a
+# substring of jax's device_kind.
+SPEC_BF16_PEAK = {"H100": 989.4e12, "H200": 989.4e12}
+
+
+def spec_bf16_peak(device_kind: str) -> float | None:
+  """The data-sheet dense bf16 peak of a device, or None where this table does not know the card."""
+  for name, peak in SPEC_BF16_PEAK.items():
+    if name in device_kind and "PCIe" not in device_kind:
+      return peak
+  return None
 
 
 def matmul_rate(n: int = 8192) -> float:
