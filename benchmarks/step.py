@@ -49,8 +49,6 @@ import jax
 import ml_collections
 import numpy as np
 
-
-from tools import trace_parts
 from benchmarks.flops import newton_schulz_flops
 from benchmarks.report import replace_section
 from benchmarks.step_components import component_table
@@ -74,10 +72,11 @@ from moejax.config import passes_per_step
 from moejax.device_memory import use_default_memory_fraction
 from moejax.layers.mla import GatedMLA
 from moejax.model import build_model
-from moejax.training.muon import NS_STEPS, resolve_ns
 from moejax.parallel import mesh as meshlib
-from moejax.training.step import jit_train_step
+from moejax.training.muon import NS_STEPS, resolve_ns
 from moejax.training.state import state_shardings
+from moejax.training.step import jit_train_step
+from tools import trace_parts
 
 SECTION = "Training step"
 LONG_SECTION = "Training step at 1M tokens"
@@ -201,7 +200,8 @@ def bench_step(args, device, write) -> list[str]:
   mesh_text = " x ".join(f"{a}={n}" for a, n in dict(mesh.shape).items() if n > 1) or "one device"
   log(f"mesh {mesh_text}: step {step_ms:.1f} ms, {tokens_per_s:,.0f} tokens/s "
       f"({tokens_per_s / n_dev:,.0f} per device), {flops['total'] / 1e9:.2f} GFLOP/token, "
-      f"MFU {mfu_spec} of the spec peak, {mfu:.1%} of the measured matmul rate, peak memory {mem}, compile {r['compile_s']:.0f} s, dropped {r['dropped']:.0f}")
+      f"MFU {mfu_spec} of the spec peak, {mfu:.1%} of the measured matmul rate, peak memory {mem}, "
+      f"compile {r['compile_s']:.0f} s, dropped {r['dropped']:.0f}")
   in_passes = f"; {passes} passes of {tokens // passes} tokens each" if passes > 1 else ""
   lines = [
       f"`{args.config}` at seq_len {seq_len}, {tokens} tokens per step ({tokens // seq_len} rows{in_passes}) "

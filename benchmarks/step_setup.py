@@ -7,8 +7,6 @@ newton_schulz.py compile or count with them.
 
 import ast
 import contextlib
-import pathlib
-import sys
 import time
 
 import jax
@@ -17,14 +15,14 @@ import numpy as np
 
 from benchmarks.flops import (
   causal_attention_forward_flops_per_token,
-  visible_keys_per_query,
   kda_forward_flops_per_token,
+  visible_keys_per_query,
 )
 from moejax.config import load_experiment, validate
 from moejax.layout import SCANNED, layer_kinds
+from moejax.parallel import mesh as meshlib
 from moejax.training.muon import matrix_sizes
 from moejax.training.optimizers import muon_dimension_numbers
-from moejax.parallel import mesh as meshlib
 from moejax.training.state import init_state
 
 LONG_SEQ = 1 << 20
