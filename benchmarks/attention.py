@@ -13,14 +13,12 @@ where that reference fits (T <= 8192).
 
 import argparse
 import datetime
-import pathlib
 import sys
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 
 from benchmarks.report import replace_section
 from benchmarks.timing import time_ms

@@ -20,7 +20,6 @@ import time
 
 import numpy as np
 
-
 from benchmarks.report import replace_section
 from moejax.config import base_config
 from moejax.train import run

@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
 from benchmarks.report import relative_error, replace_section
 from benchmarks.timing import time_ms
 from pallas_kernels.gmm import DEFAULT_TILING, Tile, Tiling, gmm

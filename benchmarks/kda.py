@@ -198,7 +198,8 @@ def run_fla(shapes, reps_ms, timeout_s, tune_dir: pathlib.Path | None = None):
     print(f"fla child: Triton cache {tune_dir}, {autotune_results(tune_dir)} autotuning results in it",
           flush=True)
   try:
-    out = subprocess.run([sys.executable, "-m", "benchmarks.kda", "--fla-child", arg, "--fla-ms", str(reps_ms)],
+    out = subprocess.run([sys.executable, "-m", "benchmarks.kda", "--fla-child", arg,
+                          "--fla-ms", str(reps_ms)],
                          capture_output=True, text=True, timeout=timeout_s, env=env,
                          cwd=pathlib.Path(__file__).resolve().parents[1])
     stdout, stderr, failed = out.stdout, out.stderr, out.returncode != 0
@@ -479,7 +480,8 @@ def main():
   p.add_argument("--check-chunks", type=int, nargs="+", default=[32, 64, 128], help="chunk sizes for --check")
   p.add_argument("--section-out", help="write the KDA section (table, command, date, device) into this "
                  "markdown file, replacing an older one (BENCHMARKS.md, or a file under $OUT)")
-  p.add_argument("--fla-design", action="store_true", help="without --fla runs: fla ratios from fla's times measured on an H200 on 2026-12-02")
+  p.add_argument("--fla-design", action="store_true",
+                 help="without --fla runs: fla ratios from its times on an H200 (2026-12-02)")
   p.add_argument("--no-fla", action="store_true")
   p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU), no fla")
   p.add_argument("--fla-ms", type=int, default=200)

@@ -20,8 +20,6 @@ newest kernels (the Mosaic backward scan, last) cannot take the others down with
 
 import faulthandler
 import functools
-import pathlib
-import sys
 
 from benchmarks.report import kernel_benchmark_args, provenance, replace_section
 from benchmarks.timing import time_ms

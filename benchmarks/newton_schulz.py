@@ -7,15 +7,12 @@ kernels of pallas_kernels/newton_schulz ("pallas"), in the same call.
 
 Times: medians of back-to-back calls of one jitted function. First the whole Muon update
 (`scale_by_muon`) over the config's parameters, as the train step runs it (momentum, stacking, scaling
-included), with its errors ||o - o_f32|| / ||o_f32|| against the same update with the iteration in
-float32 (XLA at precision "highest": exact float32 products). Then per group (the parameters Muon stacks
-and iterates together, `moejax.training.muon.like_matrix_groups`): `newton_schulz` on random bf16 matrices of the
-group's shape. The section is rewritten after each part, so a run cut off by a time limit keeps what it
-measured.
+included), with its errors ||o - o_f32|| / ||o_f32|| against the same update with the iteration in float32
+(XLA at precision "highest": exact float32 products). Then per group (the parameters Muon stacks and iterates
+together, `moejax.training.muon.like_matrix_groups`): `newton_schulz` on random bf16 matrices of the group's
+shape. The section is rewritten after each part, so a run cut off by a time limit keeps what it measured.
 """
 
-import pathlib
-import sys
 
 from benchmarks.report import (
   kernel_benchmark_args,

@@ -12,12 +12,10 @@ logits whose per-expert mean is skewed (popularity ~ N(0, 9)), as in tests/test_
 must equal XLA's bit for bit; a mismatch makes the script exit non-zero.
 """
 
-import os
 import sys
 
 import jax
 import numpy as np
-
 
 from benchmarks.report import kernel_benchmark_args, provenance, publish
 from benchmarks.timing import time_ms

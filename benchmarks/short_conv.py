@@ -12,13 +12,10 @@ backward (dx, dw). Bytes: x read and y written once forward; x and dy read, dx w
 Relative errors against the "xla" path on float32 copies of the same inputs.
 """
 
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 
 from benchmarks.report import fwd_bwd_table, kernel_benchmark_args, provenance, publish, relative_error
 from benchmarks.timing import copy_floor_note, time_ms

@@ -11,13 +11,10 @@ element); the backward pass reads gate, up and dh and writes two gradients (10 m
 (norm) against the formula in float64 on the same bf16 inputs.
 """
 
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 
 from benchmarks.report import fwd_bwd_table, kernel_benchmark_args, provenance, publish, relative_error
 from benchmarks.timing import copy_floor_note, time_ms

@@ -4,8 +4,6 @@ by how often the model holds it, and the rest of the step ("rest": AttnRes, the 
 update, glue) by difference.
 """
 
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +15,10 @@ from moejax.config import passes_per_step
 from moejax.layers.ffn import SiTUGLU
 from moejax.layers.kda import KDA
 from moejax.layers.mla import GatedMLA
-from moejax.moe.layer import MoE
-from moejax.training.loss import cross_entropy
 from moejax.layout import layer_kinds
+from moejax.moe.layer import MoE
 from moejax.parallel import mesh as meshlib
+from moejax.training.loss import cross_entropy
 from moejax.training.state import head_matrix
 
 

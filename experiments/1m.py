@@ -20,13 +20,12 @@ def get_config():
   c = load_experiment(pathlib.Path(__file__).with_name("h200.py"))
   c.model.remat = "full"
   # Each layer over its row in pieces, each piece rematerialised, so that one piece's activations are
-  # live in the backward pass instead of the row's. With these pieces (and h200.py's KDA chunk of 32),
-  # one 1M-token step ran on one H200 in 17.4 s at 125.0 GiB peak (XLA's temporaries 114.7 GiB; QK-clip
-  # off there, on here: see benchmarks/step.py's long_config), where with the KDA layers whole and the
-  # routed experts' pieces in a lax.map XLA asked for 176.5 GiB (2026-12-04; BENCHMARKS.md, "Training
-  # step at 1M tokens").
+  # live in the backward pass instead of the row's. With these pieces (and h200.py's KDA chunk of 32) a
+  # 1M-token step fits one H200, where with the KDA layers whole and the routed experts' pieces in a
+  # lax.map it does not (BENCHMARKS.md, "Training step at 1M tokens"; QK-clip off there, on here: see
+  # benchmarks/step.py's long_config).
   # KDA in 512K pieces, not smaller: the pieces are unrolled in the compiled program, and at 128K the
-  # step had not finished compiling after 480 s, where at 512K it compiled in 263 s.
+  # step took several times longer to compile (same section).
   c.model.kda.seq_chunk = 524_288
   # 8M routed rows at 1M tokens (top 8): the routed experts over 128K tokens at a time; the dense FFN too.
   c.model.moe.token_chunk = 131_072

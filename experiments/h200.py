@@ -24,9 +24,9 @@ def get_config():
   m.num_dense_layers = 1
   m.dtype = "bfloat16"
   m.remat = "none"
-  # Unrolled: scanned (three KKKM periods), the step asked the H200 for 186.7 GiB (2026-12-03), where
-  # unrolled it peaks at 99.7 GiB. The scan's backward keeps the AttnRes block buffer once per period
-  # (README, "scan_layers").
+  # Unrolled: scanned (three KKKM periods), the step asks the H200 for far more memory than it has, where
+  # unrolled it fits. The scan's backward keeps the AttnRes block buffer once per period
+  # (docs/performance.md, "model.scan_layers").
   m.scan_layers = False
   m.kda.num_heads = 8
   m.kda.head_k_dim = 128
@@ -48,7 +48,7 @@ def get_config():
   m.moe.routed_scaling = 2.5  # divided out by the latent RMSNorm but for its eps (config.py)
   m.moe.balance = "quantile"
   # The router's logits on bf16 tensor cores where the model is bf16 (W_r as three exact bf16 parts):
-  # 309.1 against 312.7 ms a step at f32 HIGHEST (H200, 2026-12-05, one run each).
+  # a slightly faster step than at f32 HIGHEST (moejax/moe/router.py).
   m.moe.router_matmul = "auto"
   m.loss.z_loss_weight = 1e-4
 
@@ -60,13 +60,12 @@ def get_config():
 
   t = c.train
   # 128K tokens per update, in passes of 32K (4 rows): a pass holds what fits the card, and the
-  # optimizer's update, about a sixth of a one-pass step (52 of 320 ms on an H100), comes once per 128K
-  # tokens. On an H200 this step peaked at 75.7 GiB (one 32K pass: 70.7) and ran 122,905 tokens/s
-  # against one pass's 109,333 (2026-12-05, BENCHMARKS.md). A 32K batch is also small for this model.
+  # optimizer's update, about a sixth of a one-pass step, comes once per 128K tokens (BENCHMARKS.md,
+  # "Training step", tokens per update). A 32K batch is also small for this model.
   t.stages = ((8_192, 1_250, 131_072),)
   t.microbatch_tokens = 32_768
   # cuBLAS for the dense matmuls, as every step benchmark of this config ran them: with XLA's own
-  # Triton GEMMs autotuned the step had not finished compiling after 225 s (benchmarks/step.py).
+  # Triton GEMMs autotuned the step took minutes longer to compile (moejax/config.py, xla_triton_gemm).
   t.xla_triton_gemm = False
   t.log_every = 10
   t.eval_every = 100

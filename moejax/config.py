@@ -58,8 +58,7 @@ def base_config() -> ml_collections.ConfigDict:
   k.conv_size = 4
   k.gate_lower_bound = -5.0
   k.gate_rank = 16  # low-rank width of the decay-gate and output-gate projections
-  # 32: on the H200 the op's forward + backward took 4.64 ms against 7.03 at 64 (B=2 T=8192 H=16) and
-  # 11.4 against 16.4 ms (B=1 T=32768); BENCHMARKS.md "KDA kernel".
+  # 32: the op's forward + backward is faster than at 64 on the H200 (BENCHMARKS.md, "KDA kernel").
   k.chunk_size = 32
   # Tokens per pass of the whole KDA layer over a row (0: the row at once). The recurrent state and
   # the conv history carry over between passes, each rematerialised; must divide T. For very long rows.
@@ -67,7 +66,8 @@ def base_config() -> ml_collections.ConfigDict:
   k.implementation = ml_collections.FieldReference(None, field_type=str)
   # The short convolution + SiLU, with q and k's l2 norm (pallas_kernels.short_conv): None picks its
   # Pallas kernels on GPU and XLA elsewhere; or "xla", "pallas", "interpret". On the H200 step the
-  # kernels took the KDA layers' projections and convolutions from 30.1 to 23.8 ms (BENCHMARKS.md).
+  # kernels cut the KDA layers' projections and convolutions by a fifth (BENCHMARKS.md, "Short
+  # convolution").
   k.conv_implementation = ml_collections.FieldReference(None, field_type=str)
 
   a = m.mla = ml_collections.ConfigDict()
@@ -100,7 +100,7 @@ def base_config() -> ml_collections.ConfigDict:
   e.shared_hidden_dim = 64
   e.latent_dim = 32
   e.expert_hidden_dim = 32
-  # DESIGN §5 multiplies the routing weights p by this factor, but the latent RMSNorm that follows
+  # docs/design.md §5 multiplies the routing weights p by this factor, but the latent RMSNorm that follows
   # removes any common factor of the weighted sum: it moves the output only through the norm's eps
   # (tests/test_moe.py). Kept for the formula's sake; it is not a knob for the routed branch's scale.
   e.routed_scaling = 1.0
@@ -149,11 +149,11 @@ def base_config() -> ml_collections.ConfigDict:
   o.muon_consistent_rms = 0.2
   # The Newton-Schulz iteration's dtype: bf16 as in the original Muon (tensor-core rate), or float32.
   o.muon_ns_dtype = "bfloat16"
-  # Its symmetric products: "xla" (einsums), "pallas" (GPU kernels that compute each mirrored pair of
-  # tiles once: moejax/muon.py) or "interpret" (those kernels on the CPU, slow: for tests). Under a mesh
-  # the kernels split the experts over `expert` but iterate a matrix split over fsdp/tensor whole on
-  # each of those devices, where "xla" shares its products out. "auto": "pallas" on a GPU unless the
-  # mesh splits matrices over fsdp or tensor, else "xla" (moejax.training.muon.resolve_ns).
+  # Its symmetric products: "xla" (einsums), "pallas" (GPU kernels that compute each mirrored pair of tiles
+  # once: moejax/training/muon.py) or "interpret" (those kernels on the CPU, slow: for tests). Under a mesh
+  # the kernels split the experts over `expert` but iterate a matrix split over fsdp/tensor whole on each of
+  # those devices, where "xla" shares its products out. "auto": "pallas" on a GPU unless the mesh splits
+  # matrices over fsdp or tensor, else "xla" (moejax.training.muon.resolve_ns).
   o.muon_ns_implementation = "auto"
   o.qk_clip_tau = 0.0  # > 0 enables per-head QK-clip on MLA (reported MuonClip uses 100)
 
@@ -176,16 +176,15 @@ def base_config() -> ml_collections.ConfigDict:
   t.progress_bar = True
   # XLA may keep a value wider than the dtype the model rounds it to, and drops the f32 -> bf16 -> f32
   # round trips that the casts make (its default). Then a bf16 activation between two kernels is written
-  # and read as float32: in the H200 step about 33 GiB more traffic per step, counted statically
-  # (BENCHMARKS.md, "Step HBM traffic"; not timed). Off, every cast is honoured, on the GPU as on the CPU.
+  # and read as float32, which adds traffic to every step (BENCHMARKS.md, "Step HBM traffic"; static,
+  # not timed). Off, every cast is honoured, on the GPU as on the CPU.
   t.allow_excess_precision = False
   # The GPU compiler's choices for the train and eval steps (no effect on other backends). True leaves
   # XLA's default (or the XLA_FLAGS of the process). xla_triton_gemm=False hands every dense matmul to
   # cuBLAS instead of autotuning XLA's own Triton GEMMs for each, whose compiles kept the H200 step
-  # compiling past 225 s (benchmarks/step.py). xla_dot_merger=False stops XLA from merging matmuls
-  # that share an operand (x W_a and x W_b as x [W_a | W_b]): in the H200 step the merged outputs are
-  # sliced and their gradients concatenated, 8.7 GiB of static traffic per step more than unmerged
-  # (BENCHMARKS.md, "Step HBM traffic"; not yet timed).
+  # compiling for minutes. xla_dot_merger=False stops XLA from merging matmuls that share an operand
+  # (x W_a and x W_b as x [W_a | W_b]): in the H200 step the merged outputs are sliced and their
+  # gradients concatenated, more traffic than unmerged (BENCHMARKS.md, "Step HBM traffic"; not timed).
   t.xla_triton_gemm = True
   t.xla_dot_merger = True
   # Device mesh of the run (moejax.parallel.mesh): rows split over data x fsdp x expert, routed

@@ -24,7 +24,6 @@ import re
 import sys
 import time
 
-
 from tools.trace_parts import computations, model_part, op_names
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
@@ -309,9 +308,9 @@ def report(hlo_text: str, min_elements: int, title: str, baseline: str | None = 
 
 def compile_deviceless(config_path: str, overrides: list[str]) -> str:
   """The HLO text of the train step of `config_path` at its first stage's shape, compiled for an H200."""
+  from benchmarks.step_setup import load_config
   from tools import deviceless
   from tools.memory_plan import compile_step
-  from benchmarks.step_setup import load_config
 
   deviceless.use_step_flags()
   config = load_config(config_path, overrides)

@@ -16,12 +16,10 @@ by default, where its state pass segments and a correction kernel follows).
 
 import argparse
 import collections
-import pathlib
 import sys
 
-
-from tools import deviceless
 from benchmarks.report import replace_section
+from tools import deviceless
 
 # Setting name -> (Config block field, Config tuning field).
 KNOBS = {"prep_fwd": ("block_fwd", "prep_fwd"), "prep_bwd": ("block", "prep_bwd"),

@@ -24,9 +24,7 @@ import glob
 import os
 import pathlib
 import re
-import sys
 import time
-
 
 GIB = 2**30
 PARTS = ("step", "kda", "mla", "moe", "ffn")
@@ -61,8 +59,8 @@ def compile_step(config, batch: int, seq_len: int, sharding=None):
 
   from benchmarks.step_setup import synthetic_batch
   from moejax.model import build_model
-  from moejax.training.step import jit_train_step
   from moejax.training.state import init_state
+  from moejax.training.step import jit_train_step
 
   model = build_model(config)
   box = {}

@@ -8,8 +8,8 @@ import os
 
 import ml_collections
 
-from moejax.errors import ConfigError
 from moejax.data.tokenizer import MIN_VOCAB_SIZE
+from moejax.errors import ConfigError
 
 FORMATS = ("text", "jsonl")
 

@@ -1,4 +1,4 @@
-"""Block Attention Residuals (DESIGN §4).
+"""Block Attention Residuals (docs/design.md §4).
 
 Each sublayer reads a softmax mixture of earlier representations instead of a running sum:
 
@@ -133,9 +133,9 @@ def _mix_backward(eps, res, dh_BTD):
     dvs.append(dv.astype(v.dtype))
     dlogit_r.append(dl * r)
   # dw = sum over tokens of dlogit r v. Left to itself, XLA:GPU fused that column reduction with the
-  # sources' gradients (and their sums over later sublayers) into kernels tiled for the reduction,
-  # 1.2-3.7 ms each in the H200 step where a reduction alone takes ~0.1 ms (BENCHMARKS.md, "Training
-  # step profile"). Behind the barrier it is a pass of its own over the sources.
+  # sources' gradients (and their sums over later sublayers) into kernels tiled for the reduction, each
+  # many times slower than the reduction alone in the H200 step (BENCHMARKS.md, "Training step
+  # profile"). Behind the barrier it is a pass of its own over the sources.
   dlogit_r, parts = jax.lax.optimization_barrier((dlogit_r, parts))
   dw = sum(jnp.einsum("...,...d->d", c, v.astype(jnp.float32), precision="highest")
            for c, v in zip(dlogit_r, parts, strict=True))

@@ -1,4 +1,4 @@
-"""SiTU-GLU: the bounded gated activation, and the dense FFN built on it (DESIGN §5)."""
+"""SiTU-GLU: the bounded gated activation, and the dense FFN built on it (docs/design.md §5)."""
 
 import functools
 import math

@@ -1,4 +1,4 @@
-"""The bounded-decay Kimi Delta Attention mixer (DESIGN §2).
+"""The bounded-decay Kimi Delta Attention mixer (docs/design.md §2).
 
   q, k = L2Norm(SiLU(ShortConv(W_q x))), L2Norm(SiLU(ShortConv(W_k x))),  v = SiLU(ShortConv(W_v x))
   beta = sigmoid(W_b x),  g = lb * sigmoid(exp(A_log) * (W_fb W_fa x + dt_bias))   in [lb, 0]

@@ -1,4 +1,4 @@
-"""Gated multi-head latent attention without positional encoding (DESIGN §3).
+"""Gated multi-head latent attention without positional encoding (docs/design.md §3).
 
 Queries and keys/values go through low-rank latents (q_lora, kv_lora), each RMS-normalised, then
 per-head up-projections. There is no RoPE: position information comes from the KDA layers. An

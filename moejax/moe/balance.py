@@ -1,4 +1,4 @@
-"""Expert load balancing as routing state (DESIGN §5): quantile bias, sign bias, and their updates.
+"""Expert load balancing as routing state (docs/design.md §5): quantile bias, sign bias, and their updates.
 
 The state of every MoE layer lives in the Flax collection "balance", next to the params:
 
@@ -17,7 +17,7 @@ Quantile balancing, with target load q = m*k/n per expert:
          so expert j is chosen by token i exactly when c_ij > -b_j (given the other biases);
   b_j  = -(the value that q of the margins c_:j exceed), then b <- b - mean(b); repeat.
 t_ij is the (k+1)-th largest biased score for the experts token i chooses and the k-th largest for
-the rest. DESIGN §5 uses the (k+1)-th for all of them; that overstates the margin of unchosen experts
+the rest. docs/design.md §5 uses the (k+1)-th for all of them; that overstates the margin of unchosen experts
 and converges far slower: on strongly skewed batches (m=4096, n=256, k=8) this form reaches
 MaxVio <= 0.05 from zero bias in 5-10 sweeps, where that one is still at 0.1-0.4 after 16. From the
 previous batch's bias (the warm start used in training) a few sweeps suffice.

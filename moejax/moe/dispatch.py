@@ -25,7 +25,7 @@ def grouped_situ_glu(x_RL, group_sizes_G, w_gate_GLF, w_up_GLF, w_down_GFL, b1: 
 
   Gate and up are two grouped matmuls. One over [W_g | W_u] measured 2% faster alone (BENCHMARKS.md,
   "Grouped matmul"), but in the H200 step slicing its [R, 2F] output in two and concatenating the two
-  gradients cost 0.7 ms per layer each way. The matmuls accumulate in float32 and write x's dtype:
+  gradients cost more than that, in each direction. The matmuls accumulate in float32 and write x's dtype:
   with bfloat16 compute their float32 outputs would be the largest buffers of the layer (k rows per
   token, F wide), and SiTU-GLU and the combine upcast anyway.
   """
@@ -60,7 +60,7 @@ def inverse_permutation(order_R):
 
 
 # Row gathers whose index is a permutation. Autodiff would transpose them into scatter-adds (XLA
-# cannot know the indices never collide), which on the H200 step cost about 1 ms per MoE layer each;
+# cannot know the indices never collide), which are slow on the GPU (BENCHMARKS.md, "Training step profile");
 # through the inverse permutation the backward pass is a gather too.
 
 

@@ -13,7 +13,7 @@ the results back the same way. Two exchanges, chosen by platform (`default_excha
 
 Each receiver keeps at most B = min(P * R, max(1, ceil(cf * R))) rows, R = tokens * k on a device,
 so a (token, slot) pair can be dropped when one owner is overloaded. Both exchanges keep the same
-pairs (DESIGN §5: the two paths must agree): the first B of the owner's rows in (local expert,
+pairs (docs/design.md §5: the two paths must agree): the first B of the owner's rows in (local expert,
 source, position) order (`ragged_layout`, from every source's per-expert counts). The padded
 buffer's pairs hold C = min(R, B) rows, all that one source can have kept; what a source sends is
 already cut to the owner's budget. So the padded exchange moves P * C rows, up to P times the ragged

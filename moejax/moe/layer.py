@@ -1,18 +1,18 @@
-"""Stable LatentMoE (DESIGN §5): shared full-width experts plus routed experts in a latent width.
+"""Stable LatentMoE (docs/design.md §5): shared full-width experts plus routed experts in a latent width.
 
     y = sum_s E_s(x) + W_up RMSNorm( sum_{i in topk(s + b)} p_i E_i(W_down x) )
 
 Router: s = sigmoid(x W_r) in float32; top-k of s + b, where the bias b is routing state in the
-"balance" collection (no gradient, see moejax/balance.py); p = chosen s normalised over k, times
+"balance" collection (no gradient, see moejax/moe/balance.py); p = chosen s normalised over k, times
 `routed_scaling` (which the RMSNorm then divides out, but for its eps). Experts are SiTU-GLUs; routed
 ones are stacked [expert, ...] and run as one grouped matmul over tokens sorted by expert
-(moejax/layers/dispatch.py).
+(moejax/moe/dispatch.py).
 
 Parallelism follows the ambient mesh (`jax.set_mesh`). When its token axes (data, fsdp, expert;
 moejax/parallel/mesh.py) split the batch, the routed part runs per shard inside jax.shard_map: load
 and aux-loss sums are psum'd, the quantile bias uses histograms summed over the token axes, and if the
 `expert` axis has size > 1 the routed experts are split over it and tokens travel by all-to-all
-(moejax/parallel/expert.py); the output keeps the input's sharding. Without such a mesh everything
+(moejax/moe/expert_parallel.py); the output keeps the input's sharding. Without such a mesh everything
 runs as plain (global-view) array code. The exchange is picked by platform (ragged_all_to_all on
 GPU/TPU, capacity-padded all_to_all on CPU) unless `MoE(cfg, exchange=...)` names one.
 
@@ -38,10 +38,11 @@ import jax.numpy as jnp
 import ml_collections
 from jax.sharding import PartitionSpec as P
 
+from moejax.layers.ffn import SiTUGLU
 from moejax.layers.packing import document_ids_of
 from moejax.moe.balance import quantile_bias
 from moejax.moe.dispatch import dropless_moe
-from moejax.layers.ffn import SiTUGLU
+from moejax.moe.expert_parallel import default_exchange, expert_parallel
 from moejax.moe.router import expert_load, router_scores, select_experts, sequence_aux_loss_terms
 from moejax.nn import (
   GRAD_ACC,
@@ -54,7 +55,6 @@ from moejax.nn import (
   rms_norm,
 )
 from moejax.parallel import mesh as meshlib
-from moejax.moe.expert_parallel import default_exchange, expert_parallel
 
 # Stacked expert weights [expert, in, out]: fan-in is `in` alone, not expert * in.
 expert_kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", batch_axis=(0,))
@@ -153,7 +153,7 @@ class MoE(nn.Module):
         "latent_norm": (nn.initializers.ones, (lat,), ("norm",)),
         "w_up": (default_kernel_init, (lat, d), ("latent", "embed")),
     }
-    # DESIGN §5's router runs in float32: its weight stays float32 whatever param_dtype is, so that
+    # docs/design.md §5's router runs in float32: its weight stays float32 whatever param_dtype is, so that
     # small updates to it are not rounded away.
     return {name: logical_param(self, name, init, shape, axes, jnp.float32 if name == "router" else pdtype)
             for name, (init, shape, axes) in shapes.items()}

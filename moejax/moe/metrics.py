@@ -2,7 +2,7 @@
 
 MaxVio = (max_j load_j - mean_j load_j) / mean_j load_j (Wang et al., loss-free balancing):
 MaxVio_batch uses this batch's load; MaxVio_global the load accumulated in the balance state
-(`load_total`, see moejax/balance.py). top_share is the fraction of this batch's tokens that
+(`load_total`, see moejax/moe/balance.py). top_share is the fraction of this batch's tokens that
 chose the most loaded expert (k/n when perfectly balanced).
 """
 

@@ -1,4 +1,4 @@
-"""Sigmoid router: top-k selection on biased scores, mixture weights from unbiased ones (DESIGN §5).
+"""Sigmoid router: top-k selection on biased scores, mixture weights from unbiased ones (docs/design.md §5).
 
 All functions act on one shard of tokens; under shard_map the caller reduces the returned sums.
 """
@@ -14,11 +14,10 @@ from moejax.nn import MATMUL_NAME, same_varying_axes
 def router_scores(x_MD, w_DE, matmul: str = "f32"):
   """s = sigmoid(x W_r), in float32 whatever the compute dtype: the top-k is sensitive to rounding.
 
-  matmul: "f32", one float32 matmul at Precision.HIGHEST (on the GPU, CUDA cores: the H200 step's
-  router took 5.8 ms of matmuls for 0.2 TFLOP, BENCHMARKS.md "Training step profile"); "bf16x3", the
-  same products on bf16 tensor cores (`logits_bf16x3`: float32 W as three exact bf16 parts, bf16 x
-  only); "auto", bf16x3 for bf16 x and f32 otherwise (on the H200 a step of experiments/h200.py took
-  309.1 ms with bf16x3 against 312.7 with f32, one run each, BENCHMARKS.md "Training step")."""
+  matmul: "f32", one float32 matmul at Precision.HIGHEST (on the GPU, CUDA cores, slow for the FLOPs:
+  BENCHMARKS.md, "Training step profile"); "bf16x3", the same products on bf16 tensor cores
+  (`logits_bf16x3`: float32 W as three exact bf16 parts, bf16 x only); "auto", bf16x3 for bf16 x and f32
+  otherwise (a step of experiments/h200.py on the H200 was slightly faster with bf16x3)."""
   if matmul == "auto":
     matmul = "bf16x3" if x_MD.dtype == jnp.bfloat16 else "f32"
   if matmul == "f32":
@@ -40,8 +39,8 @@ def _bf16_parts(x, n: int):
   n = 2 leaves a relative error below 2^-16. Each part is rounded by reduce_precision, which XLA keeps:
   a float32 -> bf16 -> float32 round trip is one that XLA:GPU removes under its default excess
   precision (SimplifyFPConversions), which would leave the later parts zero. (The KDA kernels split
-  their float32 gates the same way with plain casts, pallas_tiles._bf16_parts: inside a Pallas kernel
-  no XLA pass runs.)"""
+  their float32 gates the same way with plain casts, pallas_kernels.kda.tiles._bf16_parts: inside a
+  Pallas kernel no XLA pass runs.)"""
   parts, rest = [], x.astype(jnp.float32)
   for _ in range(n):
     part = jax.lax.reduce_precision(rest, exponent_bits=8, mantissa_bits=7)

@@ -10,7 +10,6 @@ from flax import traverse_util
 from moejax.moe.layer import EXPERT_WEIGHTS
 from moejax.training import optimizers as optim_lib
 
-
 # How each sown statistic of a pass combines over a step's passes (train_step's `accumulated`), given
 # the passes' shares of the batch's documents: the aux loss is a mean over documents.
 _PASS_COMBINE = {"load": lambda x, _: jnp.sum(x, 0), "dropped": lambda x, _: jnp.sum(x, 0),

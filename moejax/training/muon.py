@@ -64,12 +64,11 @@ def _check_implementation(implementation: str) -> None:
 
 
 def resolve_ns(implementation: str) -> str:
-  """The Newton-Schulz implementation that runs, "auto" resolved at trace time. On a GPU, "auto" is
-  "pallas": on an H100 its whole Muon update over experiments/h200.py took 57.5 ms against 63.0 with
-  the einsums, at a third of their error against float32 (9.5e-3 against 3.4e-2; BENCHMARKS.md, "Muon
-  Newton-Schulz"). Under a mesh that splits matrices over fsdp or tensor the kernels would iterate each
-  such matrix whole on every device (`_matrices_per_device`), where the einsums share the products
-  out, so "auto" is "xla" there, as on every other backend."""
+  """The Newton-Schulz implementation that runs, "auto" resolved at trace time. On a GPU, "auto" is "pallas":
+  on an H100 its whole Muon update over experiments/h200.py was faster than the einsums', at a third of their
+  error against float32 (BENCHMARKS.md, "Muon Newton-Schulz"). Under a mesh that splits matrices over fsdp or
+  tensor the kernels would iterate each such matrix whole on every device (`_matrices_per_device`), where the
+  einsums share the products out, so "auto" is "xla" there, as on every other backend."""
   _check_implementation(implementation)
   if implementation != "auto":
     return implementation

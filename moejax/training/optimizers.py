@@ -8,7 +8,7 @@ matrices. A kernel that ends in
 (embed, mlp, latent, a LoRA rank). What has no input axis is a bias or per-head vector
 (dt_bias [heads, kv]). Embeddings, the LM head ("vocab"), norm scales, biases, gate vectors,
 convolution taps and the router ([embed, expert]: its trailing expert axis is its output, and it
-feeds the balancing) stay on AdamW, as is usual for Muon. Muon's own update is moejax/muon.py.
+feeds the balancing) stay on AdamW, as is usual for Muon. Muon's own update is moejax/training/muon.py.
 """
 
 import jax
@@ -17,9 +17,9 @@ import optax
 from flax import traverse_util
 from optax.contrib import MuonDimensionNumbers
 
-from moejax.training.muon import scale_by_muon
 from moejax.nn import LAYERS_AXIS, layers_lead
 from moejax.parallel.mesh import splits_params
+from moejax.training.muon import scale_by_muon
 
 _ADAM_ONLY_AXES = {"vocab", "conv", "norm"}
 _INPUT_AXES = {"embed", "mlp", "latent", "q_lora", "kv_lora", "rank"}

@@ -1,4 +1,5 @@
-"""Grouped (ragged) matmul for dropless MoE experts: Pallas GPU kernels beside the XLA form (docs/design.md §5)."""
+"""Grouped (ragged) matmul for dropless MoE experts: Pallas GPU kernels beside the XLA form
+(docs/design.md §5)."""
 
 from pallas_kernels.gmm.ops import IMPLEMENTATIONS, gmm
 from pallas_kernels.gmm.reference import gmm_xla, tgmm_xla

@@ -1,8 +1,8 @@
 """`gram_poly` with input checks over any leading batch axes: the kernels of kernel.py, on the GPU
 ("pallas") or in Pallas interpret mode ("interpret", how CI runs them on the CPU).
 
-There is no XLA implementation here: moejax.training.muon.newton_schulz keeps its own einsum form as "xla", and
-reference.gram_poly is the float32 form the kernels are tested against. No gradients (Newton-Schulz runs
+There is no XLA implementation here: moejax.training.muon.newton_schulz keeps its own einsum form as "xla",
+and reference.gram_poly is the float32 form the kernels are tested against. No gradients (Newton-Schulz runs
 inside the optimizer), so there is no custom VJP and jax.grad through the kernel fails.
 """
 

@@ -1,4 +1,5 @@
-"""Exact quantile balancing's per-sweep work (docs/design.md §5): Pallas GPU kernels beside the XLA reference."""
+"""Exact quantile balancing's per-sweep work (docs/design.md §5): Pallas GPU kernels beside the XLA
+reference."""
 
 from pallas_kernels.quantile.kernel import Blocks
 from pallas_kernels.quantile.ops import (

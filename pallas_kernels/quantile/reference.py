@@ -1,6 +1,6 @@
-"""Reference (XLA) pieces of the exact quantile balance (docs/design.md §5, moejax/balance.py): the choice margins
-and the per-column exact threshold. The Pallas kernels (kernel.py) must match them bit for bit, and they
-are what runs off the GPU."""
+"""Reference (XLA) pieces of the exact quantile balance (docs/design.md §5, moejax/moe/balance.py): the choice
+margins and the per-column exact threshold. The Pallas kernels (kernel.py) must match them bit for bit, and
+they are what runs off the GPU."""
 
 import jax
 import jax.numpy as jnp

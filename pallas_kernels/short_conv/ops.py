@@ -5,8 +5,8 @@
       or, with normalize_eps, l2_normalize(that y, as float32, over the last axis), in out_dtype
 
 x may carry extra channel axes ([B,T,H,K] with w [W,H,K]). The normalised form is the KDA layer's q and
-k (docs/design.md §2), and the Pallas kernels normalise each head in the tile that makes it, so the l2 norm costs
-no pass of its own, forward or backward. "pallas" runs kernel.py's Triton-lowered kernels on a GPU,
+k (docs/design.md §2), and the Pallas kernels normalise each head in the tile that makes it, so the l2
+norm costs no pass of its own, forward or backward. "pallas" runs kernel.py's Triton-lowered kernels on a GPU,
 "interpret" the same kernels in Pallas interpret mode (how CI tests them), "xla" the reference's
 forward with a hand-written backward pass (reference.short_conv_vjp; tests hold both to autodiff of the
 reference formula); None picks "pallas" on GPU and "xla" elsewhere.
