@@ -15,11 +15,14 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from moejax.training.monitor import resolve_workdir
+
 log = logging.getLogger("moejax.training.checkpoint")
 
 
 class Manager:
   def __init__(self, directory: str, keep: int):
+    directory = resolve_workdir(directory)  # orbax refuses relative paths
     self.directory = epath.Path(directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
                                            cleanup_tmp_directories=True)

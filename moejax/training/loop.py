@@ -14,16 +14,17 @@ import time
 import jax
 import numpy as np
 
-from moejax.training import checkpoint as ckpt_lib
 from moejax.config import passes_per_step
-from moejax.errors import ConfigError
 from moejax.data import load_manifest, make_iterator
 from moejax.data.prepare import prepare
+from moejax.device_memory import DeviceOutOfMemoryError, is_out_of_memory, out_of_memory_message
+from moejax.errors import ConfigError
 from moejax.model import build_model
-from moejax.training.monitor import Monitor, to_row
 from moejax.parallel.mesh import MESH_AXES, batch_sharding, make_mesh
-from moejax.training.step import jit_eval_step, jit_train_step
+from moejax.training import checkpoint as ckpt_lib
+from moejax.training.monitor import Monitor, resolve_workdir, summary, to_row
 from moejax.training.state import init_state, state_shardings
+from moejax.training.step import jit_eval_step, jit_train_step
 
 log = logging.getLogger("moejax.train")
 
@@ -135,7 +136,10 @@ def evaluate(eval_step, state, config, stage, to_device=lambda batch: batch, man
 
 
 def run(config, workdir: str) -> dict:
-  """Trains to the end of the last stage; returns the final metrics row."""
+  """Trains to the end of the last stage; returns the final metrics row.
+
+  `workdir` may be relative (to the current directory) or a URL (gs://, ...), which is kept as given."""
+  workdir = resolve_workdir(workdir)
   model = build_model(config)  # validates the config first
   os.makedirs(workdir, exist_ok=True)
   # Prepared once: every stream of the run reads these shards, even if the corpus changes meanwhile.
@@ -176,23 +180,51 @@ def run(config, workdir: str) -> dict:
   step = int(state.step)
   stage_idx, _ = stage_at(stages, step)
   save_due = False
-  # The metrics of step s are read after step s+1 is dispatched, so the host never waits for the
-  # device between steps (the NaN guard may therefore stop the run one step after it trips).
+  # Most steps' metrics are read after the next step is dispatched, so the host does not wait for the
+  # device between steps (the NaN guard may therefore stop the run one step after it trips). The steps
+  # where the run measures its throughput (logging, evaluation, checkpoint and compile steps) are read
+  # right after their own dispatch instead, before the next one: where dispatch blocks until the step
+  # is nearly done (a big GPU step fills the launch queue), a late read would time the wrong interval.
   pending = None
-  clock = {"last": time.perf_counter()}
+  # The throughput window: the tokens of the steps since the last measured step, and when that step
+  # was read (None until a step past the compiles has been read). Compiles, evaluations and saves are
+  # left out of it; `trained` adds up the windows for the closing summary.
+  window = {"start": None, "tokens": 0.0}
+  trained = {"steps": 0, "tokens": 0.0, "seconds": 0.0}
   row = {}
+  running = ["the train step"]  # what an out-of-memory error is reported in
 
-  def finish(done, eval_state=None) -> dict:
+  def finish(done, measure=False, compiled_since=None, eval_state=None) -> dict:
     """Reads the metrics of `done` = (step, metrics on device, extras), adds the validation loss of
-    `eval_state` if given, logs them, and stops the run after too many non-finite steps."""
+    `eval_state` if given, logs them, and stops the run after too many non-finite steps.
+
+    `measure`: the step was read right after its dispatch, so the window ends here and the row gets
+    its tokens_per_s. `compiled_since`: the step compiled its program, dispatched at this time; the
+    window starts after it instead."""
     step_done, metrics, extra = done
     row = to_row(jax.device_get(metrics))
     now = time.perf_counter()
-    row.update(step=step_done, tokens_per_s=extra.pop("tokens") / (now - clock["last"]), **extra)
+    tokens = extra.pop("tokens")
+    row.update(step=step_done, **extra)
+    trained["steps"] += 1
+    if compiled_since is not None:
+      log.info("step %d: %.1f s with the compile", step_done, now - compiled_since)
+      window.update(start=now, tokens=0.0)
+    else:
+      window["tokens"] += tokens
+      if measure and window["start"] is not None and now > window["start"]:
+        seconds = now - window["start"]
+        row["tokens_per_s"] = window["tokens"] / seconds
+        trained["tokens"] += window["tokens"]
+        trained["seconds"] += seconds
+        window.update(start=now, tokens=0.0)
     if eval_state is not None:
+      running[0] = f"evaluation at step {step_done}"
       row.update(evaluate(eval_step, eval_state, config, stages[row["stage"]], to_device, manifest_path))
-      now = time.perf_counter()  # evaluation time is not training throughput
-    clock["last"] = now
+      log.info("step %d: validation loss %.4f (train loss %.4f)", step_done, row["val_loss"], row["loss"])
+      running[0] = "the train step"
+      if window["start"] is not None:
+        window["start"] = time.perf_counter()  # evaluation time is not training throughput
     monitor.record(step_done, row)
     if row["bad_steps"] >= config.train.max_bad_steps:
       last = manager.latest_step()
@@ -207,49 +239,68 @@ def run(config, workdir: str) -> dict:
     log.info("the run in %s has already trained its %d steps; its last logged metrics follow", workdir,
              total_steps)
     row = monitor.last_logged
+  compiled = set()  # the stages whose step this process has compiled
   try:
     with jax.set_mesh(mesh):  # the steps, evaluation and saves all run on the run's mesh
       while step < total_steps:
         batch = next(data_it)
+        compiles = stage_idx not in compiled
+        compiled.add(stage_idx)
+        if compiles:
+          log.info("compiling the train step for stage %d (seq_len %d, %d tokens a step)", stage_idx,
+                   *stages[stage_idx][::2])
+        dispatched = time.perf_counter()
         state, m = train_step(state, to_device(batch))
         step += 1
         extra = {"stage": stage_idx, "seq_len": stages[stage_idx][0],
                  "tokens": float(np.sum(batch["loss_mask"] > 0))}  # real tokens, not padding
         if pending is not None:
-          row = finish(pending)
-        pending = None
-        if config.train.eval_every and step % config.train.eval_every == 0:
-          row = finish((step, m, extra), eval_state=state)
+          row, pending = finish(pending), None
+        evaluate_now = bool(config.train.eval_every) and step % config.train.eval_every == 0
+        new_stage, _ = stage_at(stages, step)
+        switched = new_stage != stage_idx
+        # Every stage boundary is saved too: the next stage's first step compiles anew and may not fit,
+        # and a restart there should not repeat the end of the stage before.
+        save_due = (save_due or switched or step % config.train.checkpoint_every == 0
+                    or step == total_steps)
+        # A checkpoint's step is logged before it is saved.
+        if compiles or evaluate_now or save_due or step % config.train.log_every == 0:
+          row = finish((step, m, extra), measure=True, compiled_since=dispatched if compiles else None,
+                       eval_state=state if evaluate_now else None)
         else:
           pending = (step, m, extra)
         # Switch streams before saving: a checkpoint at a stage boundary then holds the new stage's
         # fresh iterator, which is the one a restart at that step builds and loads it into.
-        new_stage, _ = stage_at(stages, step)
-        switched = new_stage != stage_idx
         if switched:
           # A new context length: same state, new data stream; the step retraces for the new shape.
           stage_idx = new_stage
           data_it = _iterator_for_step(config, stages, step, manifest_path)
           log.info("stage %d: seq_len=%d", stage_idx, stages[stage_idx][0])
-        # Every stage boundary is saved too: the next stage's first step compiles anew and may not fit,
-        # and a restart there should not repeat the end of the stage before.
-        save_due = (save_due or switched or step % config.train.checkpoint_every == 0
-                    or step == total_steps)
-        if save_due and pending is not None:
-          row, pending = finish(pending), None  # a checkpoint's step is logged before it is saved
         # A state that just skipped an update is not saved: the newest checkpoint stays a good one.
         if save_due and int(state.bad_steps) == 0:
+          started = time.perf_counter()
           monitor.flush()  # the steps up to a checkpoint are never recorded again after a resume from it
           manager.save(step, state, data_it)
+          log.info("step %d: checkpoint to %s (written in the background)", step,
+                   os.path.join(manager.directory, str(step)))
+          if window["start"] is not None:
+            window["start"] += time.perf_counter() - started  # nor is saving
           save_due = False
       if pending is not None:
         row = finish(pending)
       if save_due:
         log.warning("the run ended on skipped (non-finite) steps, so its final state was not saved; the "
                     "newest checkpoint is step %s", manager.latest_step())
+  except Exception as e:
+    # XLA reports it where the step's memory is allocated: at its dispatch, or at the first read of its
+    # results when dispatch is asynchronous.
+    if is_out_of_memory(e):
+      raise DeviceOutOfMemoryError(out_of_memory_message(config, stages[stage_idx], running[0])) from e
+    raise
   finally:
     manager.wait()
     monitor.close()
+  log.info("%s", summary(workdir, row, monitor.last_val, trained, manager.all_steps(), total_steps))
   return row
 
 

@@ -17,6 +17,7 @@ and, through TensorBoard's purge step, its events), so each step appears once.
 import json
 import logging
 import os
+import re
 
 import numpy as np
 from tensorboardX import SummaryWriter
@@ -26,6 +27,18 @@ log = logging.getLogger("moejax.training.monitor")
 
 _LAYER_MAXVIO_SUFFIX = "/maxvio_batch"
 _MEAN_MAXVIO = "moe/maxvio_batch"
+_URL = re.compile(r"^[a-z][a-z0-9+.-]*://")
+
+
+def resolve_workdir(workdir: str) -> str:
+  """An absolute local path (~ expanded) for a local workdir; a URL (gs://, s3://, ...) unchanged.
+
+  Orbax refuses relative checkpoint paths, and a relative path would also change meaning if anything
+  changed the working directory during the run."""
+  workdir = os.fspath(workdir)
+  if _URL.match(workdir):
+    return workdir
+  return os.path.abspath(os.path.expanduser(workdir))
 
 
 def to_row(metrics) -> dict:
@@ -58,12 +71,41 @@ def _drop_rows_after(path: str, step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _last_row(path: str) -> dict:
+def _last_rows(path: str) -> tuple[dict, dict]:
+  """The last row of a metrics log and its last row with a validation loss ({} where none)."""
   if not os.path.exists(path):
-    return {}
+    return {}, {}
+  last, last_val = {}, {}
   with open(path) as f:
-    lines = [line for line in f if line.strip()]
-  return json.loads(lines[-1]) if lines else {}
+    for line in f:
+      if line.strip():
+        last = json.loads(line)
+        last_val = last if "val_loss" in last else last_val
+  return last, last_val
+
+
+def summary(workdir: str, row: dict, last_val: dict, trained: dict, checkpoints: list[int],
+            total_steps: int) -> str:
+  """The closing lines of a run: where it got to, how fast, and where its outputs are.
+
+  `trained`: {"steps", "tokens", "seconds"} of this process, the seconds being the training time of the
+  steps whose throughput was measured (compiles, evaluations and saves excluded), and "tokens" theirs."""
+  fmt = lambda v: f"{v:.4f}" if isinstance(v, float) and np.isfinite(v) else str(v)
+  rate = (f"{trained['tokens'] / trained['seconds']:,.0f} tokens/s" if trained["seconds"] > 0
+          else "nothing left to train" if not trained["steps"]
+          else "tokens/s not measured (no step past the compiles)")
+  lines = [f"done: step {row.get('step', 0)} of {total_steps}; {trained['steps']} steps in this process, "
+           f"{rate}"]
+  if "loss" in row:
+    val = (f", validation loss {fmt(last_val['val_loss'])} at step {last_val.get('step')}" if last_val
+           else ", no validation loss yet (train.eval_every)")
+    lines.append(f"  train loss   {fmt(row['loss'])} at step {row.get('step')}{val}")
+  saved = ", ".join(str(s) for s in checkpoints) or "none"
+  lines += [f"  checkpoints  {os.path.join(workdir, 'checkpoints')} (steps {saved})",
+            f"  metrics      {os.path.join(workdir, 'metrics.jsonl')}",
+            f"  TensorBoard  tensorboard --logdir {os.path.join(workdir, 'tb')}",
+            f"  plots        python -m moejax.report --workdir {workdir}"]
+  return "\n".join(lines)
 
 
 def worst_maxvio(row: dict) -> tuple[str, float] | None:
@@ -82,7 +124,8 @@ class Monitor:
     self.config = config
     jsonl = os.path.join(workdir, "metrics.jsonl")
     _drop_rows_after(jsonl, start_step)
-    self.last_logged = _last_row(jsonl)  # what an earlier process of the run logged last ({} if none)
+    # What an earlier process of the run logged last, and its last validation ({} if none).
+    self.last_logged, self.last_val = _last_rows(jsonl)
     # purge_step makes TensorBoard drop the earlier events at or after it: a killed run's tail.
     self.writer = SummaryWriter(os.path.join(workdir, "tb"),
                                 purge_step=start_step + 1 if start_step else None)
@@ -95,6 +138,8 @@ class Monitor:
 
   def record(self, step: int, row: dict) -> None:
     log_now = step % self.config.train.log_every == 0 or "val_loss" in row
+    if "val_loss" in row:
+      self.last_val = row
     scalars = {k: v for k, v in row.items() if not isinstance(v, list)}
     self.jsonl.write(json.dumps(row if log_now else scalars) + "\n")
     if log_now:

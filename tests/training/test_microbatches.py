@@ -15,15 +15,15 @@ import numpy as np
 import optax
 import pytest
 
+from moejax.config import base_config, validate
+from moejax.model import build_model, init_variables
+from moejax.moe.balance import next_balance_state
+from moejax.moe.layer import EXPERT_WEIGHTS
 from moejax.training import optimizers as optim_lib
 from moejax.training import step as train_step
-from moejax.moe.balance import next_balance_state
-from moejax.config import base_config, validate
-from moejax.moe.layer import EXPERT_WEIGHTS
-from moejax.model import build_model, init_variables
-from moejax.training.step import make_train_step
-from moejax.training.state import TrainState
 from moejax.training.accumulation import AccumulatorLayout
+from moejax.training.state import TrainState
+from moejax.training.step import make_train_step
 
 ROWS, SEQ = 4, 32
 

@@ -17,11 +17,10 @@ import pytest
 from flax import traverse_util
 from optax.contrib import MuonDimensionNumbers
 
-from moejax.training import optimizers as optim_lib
 from moejax.config import base_config, validate
 from moejax.layers.mla import GatedMLA, max_logits
-from pallas_kernels.segments import document_ids
 from moejax.model import build_model
+from moejax.training import optimizers as optim_lib
 from moejax.training.optimizers import (
   clip_by_global_norm,
   global_norm,
@@ -32,8 +31,9 @@ from moejax.training.optimizers import (
   qk_clip,
   weight_decay_mask,
 )
-from moejax.training.step import make_train_step
 from moejax.training.state import init_state, logical_axes
+from moejax.training.step import make_train_step
+from pallas_kernels.segments import document_ids
 
 
 def small_config(layer_pattern="KM", num_dense_layers=1, **optim):
@@ -214,8 +214,8 @@ def test_muon_ns_dtype_is_validated():
 def test_auto_newton_schulz_takes_the_kernels_on_a_gpu_unless_matrices_are_split(monkeypatch):
   """"auto" is the config's default: "xla" off the GPU; on one, "pallas", except under a mesh that splits
   the matrices themselves (fsdp, tensor), where the kernels would iterate each one whole per device."""
-  from moejax.training import muon
   from moejax.parallel.mesh import make_mesh
+  from moejax.training import muon
 
   assert base_config().optim.muon_ns_implementation == "auto"
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")

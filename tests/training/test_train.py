@@ -26,11 +26,11 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 from tensorboardX.proto import event_pb2
 
+from moejax.config import base_config
+from moejax.errors import ConfigError
+from moejax.model import build_model
 from moejax.training import checkpoint as ckpt_lib
 from moejax.training import loop
-from moejax.errors import ConfigError
-from moejax.config import base_config
-from moejax.model import build_model
 from moejax.training.monitor import Monitor
 from moejax.training.optimizers import learning_rate_schedule
 from moejax.training.state import init_state
@@ -53,7 +53,10 @@ OVERRIDES = {
     "train.stages": STAGES, "train.checkpoint_every": 10, "train.keep_checkpoints": 5,
     "train.eval_every": 10, "train.eval_batches": 2, "train.log_every": 1, "train.progress_bar": False,
 }
+# Timing, and logged only at steps where it was measured: a resumed process's first step compiles.
 NONDETERMINISTIC = {"tokens_per_s"}
+# The steps that compile the train step in the reference run (a stage's first): no throughput.
+COMPILE_STEPS = (1, 21)
 
 
 def _set(c, dotted, value):
@@ -151,7 +154,7 @@ def copy_checkpoints(src, dst, steps):
 def assert_same_rows(got, want):
   assert [r["step"] for r in got] == [r["step"] for r in want]
   for g, w in zip(got, want, strict=True):
-    assert set(g) == set(w)
+    assert set(g) - NONDETERMINISTIC == set(w) - NONDETERMINISTIC
     for k in set(g) - NONDETERMINISTIC:
       assert g[k] == w[k] or (np.isnan(g[k]) and np.isnan(w[k])), (g["step"], k, g[k], w[k])
 
@@ -212,10 +215,13 @@ def test_metrics_log_and_tensorboard(reference):
   assert [r["step"] for r in rows] == list(range(1, TOTAL + 1))
   schedule = learning_rate_schedule(config.optim, TOTAL)
   for r in rows:
-    for k in ("loss", "grad_norm", "tokens_per_s", "lr", "moe/maxvio_batch", "bad_steps"):
+    for k in ("loss", "grad_norm", "lr", "moe/maxvio_batch", "bad_steps"):
       assert k in r and np.isfinite(r[k]), (r["step"], k)
     assert r["lr"] == pytest.approx(float(schedule(r["step"] - 1)), rel=1e-6)
-    assert r["tokens_per_s"] > 0 and r["finite"] == 1.0 and r["bad_steps"] == 0
+    assert r["finite"] == 1.0 and r["bad_steps"] == 0
+    # With log_every=1 every step but the compiling ones is timed (tests/training/test_throughput.py).
+    assert ("tokens_per_s" in r) == (r["step"] not in COMPILE_STEPS), r["step"]
+    assert r.get("tokens_per_s", 1.0) > 0
     for layer in MOE_LAYERS:
       name = f"moe/{layer}/moe"
       assert 0 <= r[f"{name}/maxvio_batch"] and 0.5 <= r[f"{name}/top_share"] <= 1.0
@@ -236,8 +242,9 @@ def test_metrics_log_and_tensorboard(reference):
           scalars.setdefault(v.tag, {})[event.step] = v.simple_value
   moe_tags = [f"moe/{layer}/moe/{m}" for layer in MOE_LAYERS
               for m in ("maxvio_batch", "top_share", "load_max")]
-  for tag in ("loss", "lr", "grad_norm", "tokens_per_s", *moe_tags):
+  for tag in ("loss", "lr", "grad_norm", *moe_tags):
     assert sorted(scalars[tag]) == list(range(1, TOTAL + 1)), tag
+  assert sorted(scalars["tokens_per_s"]) == [s for s in range(1, TOTAL + 1) if s not in COMPILE_STEPS]
   assert sorted(scalars["val_loss"]) == [10, 20]
   for layer in MOE_LAYERS:  # the per-expert load, one histogram per layer and step
     histos = histograms[f"moe/{layer}/moe/load"]
@@ -655,7 +662,7 @@ def test_a_stage_appended_after_the_end_starts_its_stream_afresh(reference, tmp_
   shutil.copy(os.path.join(reference["workdir"], "run.json"), tmp_path / "run.json")
   stages = tuple(reference["config"].train.stages) + ((128, 2, 512),)
   config = make_config(reference["config"].data.cache_dir, **{"train.stages": stages})
-  first = next(iter(train._batch_iterator(config, stages[2], "train", config.data.seed + 2)))
+  first = next(iter(loop._batch_iterator(config, stages[2], "train", config.data.seed + 2)))
   seen = []
   with caplog.at_level(logging.INFO, logger="moejax.train"):
     with pytest.MonkeyPatch.context() as mp:
