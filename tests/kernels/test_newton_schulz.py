@@ -30,7 +30,7 @@ def _symmetric(key, shape):
   return (x + jnp.swapaxes(x, -2, -1)) / 2
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(batch=st.integers(1, 3), m=st.integers(1, 70), n=st.integers(1, 90), rows=st.sampled_from([16, 32]),
        depth=st.sampled_from([16, 32]), seed=st.integers(0, 2**16))
 def test_gram_matches_the_reference(batch, m, n, rows, depth, seed):
@@ -45,7 +45,7 @@ def test_gram_matches_the_reference(batch, m, n, rows, depth, seed):
 SCALES = [(C, B, A), (1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (-0.5, 2.0, 0.0)]
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(m=st.integers(1, 70), rows=st.sampled_from([16, 32]), seed=st.integers(0, 2**16),
        scales=st.sampled_from(SCALES))
 def test_poly_of_a_symmetric_matrix_matches_the_reference(m, rows, seed, scales):
@@ -68,7 +68,7 @@ def test_bf16_products_round_once():
 
 
 @pytest.mark.parametrize("shape, poly_blocks", [
-    ((3, 48, 80), None), ((2, 80, 48), None), ((4, 33, 33), None), ((1, 136, 160), None),
+    ((2, 80, 48), None), ((4, 33, 33), None), ((1, 136, 160), None),
     ((2, 48, 80), Blocks(rows=16, depth=16))])
 def test_newton_schulz_with_the_kernels_is_the_einsum_form(shape, poly_blocks):
   """In float32 both forms compute the same products (the kernels' S^2 as S S^T), transposing when

@@ -48,7 +48,7 @@ def margins_case(seed, m, n, k, levels, signed):
   return jnp.asarray(s), jnp.asarray(b, jnp.float32)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 2**16), m=st.integers(1, 150), n=st.sampled_from([3, 8, 24, 64]),
        k_pick=st.sampled_from(["1", "2", "n-1", "mid"]), levels=st.sampled_from([0, 2, 5]),
        signed=st.booleans())
@@ -61,7 +61,7 @@ def test_choice_margins_match_reference(seed, m, n, k_pick, levels, signed):
   assert_same_bits(choice_margins(s, b, k, implementation=KERNELS), want)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(seed=st.integers(0, 2**16), m=st.integers(2, 300), n=st.sampled_from([1, 3, 8]),
        frac=st.floats(0.0, 1.0), levels=st.sampled_from([0, 3, 50]), bits=st.sampled_from([2, 4, 8]))
 def test_exact_threshold_matches_reference(seed, m, n, frac, levels, bits):

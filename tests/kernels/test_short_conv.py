@@ -41,7 +41,7 @@ def segments(rng, B, T):
   return jnp.asarray(np.stack([np.cumsum(rng.random(T) < 0.15) for _ in range(B)]), jnp.int32)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(seed=st.integers(0, 2**16), T=st.integers(1, 70),
        channels=st.sampled_from([(24,), (2, 16), (3, 5), (40,), (3, 32)]), W=st.sampled_from([2, 4]),
        packed=st.booleans(), normalize=st.booleans(), row_blocks=st.sampled_from([1, 2, 8]))
@@ -63,7 +63,7 @@ def test_interpret_matches_xla_reference(seed, T, channels, W, packed, normalize
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(seed=st.integers(0, 2**16), T=st.integers(1, 40), channels=st.sampled_from([(24,), (2, 16), (3, 5)]),
        W=st.sampled_from([2, 4]), packed=st.booleans(), bf16=st.booleans(), normalize=st.booleans())
 @example(seed=228, T=35, channels=(3, 5), W=2, packed=False, bf16=True, normalize=True)
@@ -100,7 +100,7 @@ def test_bfloat16_and_default_blocks(eps):
   the reference does, so the forward pass matches to bf16 output rounding and the gradients within
   bf16 noise; dx comes back in bf16. Normalised: heads of 32 channels, one per column block."""
   rng = np.random.default_rng(0)
-  B, T, C = 2, 100, 160
+  B, T, C = 2, 40, 160  # 3 row blocks, the last cut short; 2 column blocks, the last masked
   x = jnp.asarray(rng.standard_normal((B, T, C)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((4, C)) * 0.5, jnp.float32)
   dy = jnp.asarray(rng.standard_normal((B, T, C)), jnp.bfloat16)

@@ -156,7 +156,7 @@ def test_config_choices_are_the_ops_implementations():
   from moejax import config
   from moejax.training import muon
   from pallas_kernels import attention, gmm, quantile, short_conv
-  from pallas_kernels.kda import api as kda
+  from pallas_kernels.kda import ops as kda
 
   assert set(config.NS_IMPLEMENTATIONS) == set(muon.NS_IMPLEMENTATIONS)
   assert set(config.CONV_IMPLEMENTATIONS) == set(short_conv.IMPLEMENTATIONS)

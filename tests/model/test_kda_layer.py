@@ -301,15 +301,13 @@ PIECE_SEG = np.array([[0] * 10 + [1] * 6 + [2] * 20 + [3] * 12,
 
 
 @pytest.mark.parametrize("implementation, seg, conv_size", [
-    ("xla", PIECE_SEG, 4), ("xla", None, 4), ("xla", "random", 4), ("interpret", PIECE_SEG, 4),
+    ("xla", PIECE_SEG, 4), ("xla", None, 4), ("interpret", PIECE_SEG, 4),
     ("xla", PIECE_SEG, 1)])  # conv_size 1: no conv history to carry, only the state and the document
 def test_layer_in_pieces_equals_whole_row(implementation, seg, conv_size):
   """seq_chunk: the state, the conv history and the document boundaries carry across pieces, so the
   output, the sown gate and every gradient equal the whole-row layer's."""
   rng = np.random.default_rng(7)
   x = jnp.asarray(rng.standard_normal((B, 48, CFG.d_model)), jnp.float32)
-  if isinstance(seg, str):
-    seg = np.cumsum(rng.random((B, 48)) < 0.15, axis=1).astype(np.int32)
   seg = None if seg is None else jnp.asarray(seg)
   r = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
   params = PARAMS if conv_size == 4 else random_params(KDA(make_cfg(conv_size=conv_size)), X, 1)

@@ -33,10 +33,18 @@ def _small_config(**model):
   return c
 
 
+_VARIABLES = {}
+
+
 def _init(config, B=2, T=24):
+  """The model and its variables, made once per config (model.init compiles the whole model) and shared
+  by the tests that build the same one."""
   model = build_model(config)
-  variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((B, T), jnp.int32))
-  return model, {k: v for k, v in variables.items() if k in ("params", "balance")}
+  key = (config.to_json_best_effort(sort_keys=True), B, T)
+  if key not in _VARIABLES:
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((B, T), jnp.int32))
+    _VARIABLES[key] = {k: v for k, v in variables.items() if k in ("params", "balance")}
+  return model, _VARIABLES[key]
 
 
 def _apply(model, variables, tokens, segment_ids=None):
@@ -140,23 +148,27 @@ def test_gradients_reach_every_parameter():
   assert not dead, f"parameters with zero gradient: {dead}"
 
 
-@pytest.mark.parametrize("remat", ["dots", "full"])
-def test_remat_changes_memory_not_values(remat):
-  """model.remat recomputes in the backward pass what "none" keeps: the same loss and gradients."""
+def test_remat_changes_memory_not_values():
+  """model.remat ("dots", "full") recomputes in the backward pass what "none" keeps: the same loss and
+  gradients (both against one compiled "none" model)."""
   tokens = jax.random.randint(jax.random.key(2), (2, 24), 0, 300)
   probe = jax.random.normal(jax.random.key(3), (2, 24, base_config().model.d_model))
 
+  _, variables = _init(_small_config(remat="none"))  # one init: remat leaves the parameters as they are
+
   def value_and_grads(config):
-    model, variables = _init(config)
+    model = build_model(config)
     loss = lambda params: jnp.sum(_apply(model, {**variables, "params": params}, tokens) * probe)
     return jax.jit(jax.value_and_grad(loss))(variables["params"])
 
-  got, want = value_and_grads(_small_config(remat=remat)), value_and_grads(_small_config(remat="none"))
-  chex.assert_trees_all_equal_structs(got, want)
-  # The recomputation fuses differently: float32 noise, relative to each leaf's scale.
-  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
-    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
-    assert np.max(np.abs(g - w)) <= 1e-4 * np.max(np.abs(w)), jax.tree_util.keystr(path)
+  want = value_and_grads(_small_config(remat="none"))
+  for remat in ("dots", "full"):
+    got = value_and_grads(_small_config(remat=remat))
+    chex.assert_trees_all_equal_structs(got, want)
+    # The recomputation fuses differently: float32 noise, relative to each leaf's scale.
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
+      g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+      assert np.max(np.abs(g - w)) <= 1e-4 * np.max(np.abs(w)), (remat, jax.tree_util.keystr(path))
 
 
 def test_k3_parameter_counts_hit_reported_totals():
@@ -173,12 +185,13 @@ def test_gpu_kernels_in_interpret_mode_match_the_xla_model():
   seg = jnp.asarray(np.repeat([[1, 2, 3], [4, 4, 5]], [12, 20, 5], axis=1), jnp.int32)
   probe = jax.random.normal(jax.random.key(3), (2, 37, 64))
   results = []
+  _, variables = _init(_small_config())  # the same weights for both (initialised by the XLA model)
   for impl in ("xla", "interpret"):
     config = _small_config()
     config.model.kda.implementation = impl
     config.model.mla.attention = impl
     config.model.moe.grouped_matmul = impl
-    model, variables = _init(config)
+    model = build_model(config)
 
     def loss(params, model=model, variables=variables):
       return jnp.sum(_apply(model, {**variables, "params": params}, tokens, seg) * probe)

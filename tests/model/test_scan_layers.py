@@ -144,6 +144,10 @@ def test_scanned_equals_unrolled_forward_and_gradients(name, settings, layout):
     (_, (h, stats)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables["params"])
     return h, stats, grads
 
+  # per_layer inverts the restacking.
+  chex.assert_trees_all_equal(per_layer(scan_vars["params"], scan_cfg.model), ref_vars["params"])
+  chex.assert_trees_all_equal(stacked_layers(ref_vars["balance"], scan_cfg.model), scan_vars["balance"])
+
   h_ref, stats_ref, g_ref = run(ref_model, ref_vars)
   h_scan, stats_scan, g_scan = run(scan_model, scan_vars)
   _assert_close(h_scan, h_ref, 1e-4)
@@ -154,13 +158,6 @@ def test_scanned_equals_unrolled_forward_and_gradients(name, settings, layout):
   # optimization barrier after KDA's short convolution, which changes how XLA fuses it).
   _assert_close(per_layer(g_scan, scan_cfg.model), g_ref, 3e-4)
   assert np.all(np.isfinite(np.asarray(h_ref)))
-
-
-def test_per_layer_inverts_stacked_layers():
-  settings = CASES[1][1]
-  _, scan_cfg, _, _, ref_vars, scan_vars = _unrolled_and_scanned(settings)
-  chex.assert_trees_all_equal(per_layer(scan_vars["params"], scan_cfg.model), ref_vars["params"])
-  chex.assert_trees_all_equal(stacked_layers(ref_vars["balance"], scan_cfg.model), scan_vars["balance"])
 
 
 def test_train_step_scanned_equals_unrolled():

@@ -114,7 +114,7 @@ def test_router_weight_is_float32_whatever_the_param_dtype():
 
 
 def test_routed_scaling_is_divided_out_by_the_latent_norm(setup):
-  """DESIGN §5 scales p before the RMSNorm, which removes any common factor: the output moves only
+  """docs/design.md §5 scales p before the RMSNorm, which removes any common factor: the output moves only
   through the norm's eps."""
   cfg, model, x, params, balance = setup
   ys = [MoE(small_cfg(routed_scaling=r)).apply({"params": params, "balance": balance}, x)

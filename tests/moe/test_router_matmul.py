@@ -30,7 +30,7 @@ def rel(a, b):
   return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(M=st.integers(1, 96), D=st.integers(1, 160), E=st.integers(1, 72), seed=st.integers(0, 2**16))
 @example(M=15, D=1, E=1, seed=0)  # one element dominates dx, and the two roundings of it differ by an ulp
 def test_matches_float64_and_the_highest_precision_matmul(M, D, E, seed):

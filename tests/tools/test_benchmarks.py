@@ -13,7 +13,11 @@ import pytest
 
 
 from benchmarks import attention, kda, step_setup
-from benchmarks.flops import causal_attention_forward_flops_per_token, kda_forward_flops_per_token
+from benchmarks.flops import (
+    causal_attention_forward_flops_per_token,
+    kda_forward_flops_per_token,
+    visible_keys_per_query,
+)
 from moejax.model import build_model
 from moejax.params import count_params
 
@@ -40,21 +44,28 @@ def test_matmul_flops_are_six_per_active_weight(scan):
   vectors = sum(leaf.size for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
                 if leaf.ndim - stacked(path) < 2)
   embedding = params["embedding"].size
-  flops = step_setup.model_flops_per_token(config, params, seq_len=256)
+  # Two rows: one document of 256, and documents of 100, 100 and 56.
+  segment_ids = np.array([[0] * 256, [0] * 100 + [1] * 100 + [2] * 56])
+  flops = step_setup.model_flops_per_token(config, params, segment_ids)
   assert flops["matmul weights"] == pytest.approx(6 * (count_params(config)["active"] - embedding - vectors))
   m = config.model
   assert flops["KDA chunked form"] == pytest.approx(3 * 9 * kda_forward_flops_per_token(
       m.kda.num_heads, m.kda.head_k_dim, m.kda.head_v_dim, m.kda.chunk_size))  # 9 KDA layers
+  pairs = 256 * 257 / 2 + 2 * 100 * 101 / 2 + 56 * 57 / 2  # causal (query, key) pairs within documents
   assert flops["MLA attention"] == pytest.approx(3 * 3 * causal_attention_forward_flops_per_token(
-      m.mla.num_heads, m.mla.qk_nope_head_dim, m.mla.v_head_dim, 256))
+      m.mla.num_heads, m.mla.qk_nope_head_dim, m.mla.v_head_dim, pairs / 512))
   assert flops["total"] == pytest.approx(sum(v for k, v in flops.items() if k != "total"))
 
 
 def test_flop_formulas_by_hand():
   # one head, C=2, K=V=1: per chunk 2*4 + 4*2 + 6*2 + 4 = 32, per token 16
   assert kda_forward_flops_per_token(1, 1, 1, 2) == 16
-  # T=3: each query sees 2 keys on average; 2 FLOPs per multiply-add over (qk + v) = 2 widths
-  assert causal_attention_forward_flops_per_token(1, 1, 1, 3) == 2 * 2 * 2
+  # 2 keys per query on average; 2 FLOPs per multiply-add over (qk + v) = 2 widths
+  assert causal_attention_forward_flops_per_token(1, 1, 1, 2) == 2 * 2 * 2
+  # One row of 3 tokens: (3 + 1) / 2 keys a query. Documents [2, 1] and [1, 1, 1] with a repeated id
+  # (a document starts where the id changes): 3 + 1 pairs and 1 + 1 + 1 pairs over 6 queries.
+  assert visible_keys_per_query(np.array([[5, 5, 5]])) == 2
+  assert visible_keys_per_query(np.array([[0, 0, 1], [3, 4, 3]])) == (4 + 3) / 6
 
 
 def test_synthetic_batch_is_packed_documents():
