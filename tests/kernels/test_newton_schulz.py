@@ -14,8 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 
-from moejax.training.muon import NS_COEFFS, newton_schulz, orthogonalise
 from moejax.parallel import mesh as meshlib
+from moejax.training.muon import NS_COEFFS, newton_schulz, orthogonalise
 from pallas_kernels.kda.lowering import Tuning
 from pallas_kernels.newton_schulz import GRAM_BLOCKS, POLY_BLOCKS, Blocks, gram_poly, gram_poly_reference
 from pallas_kernels.newton_schulz import kernel as ns_kernel

@@ -4,8 +4,8 @@ import pathlib
 
 import pytest
 
-from moejax.errors import ConfigError
 from moejax.config import base_config, load_experiment, passes_per_step, validate
+from moejax.errors import ConfigError
 
 EXPERIMENTS = sorted(pathlib.Path(__file__).resolve().parents[2].glob("experiments/*.py"))
 

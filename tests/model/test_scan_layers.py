@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.errors import ConfigError
 from moejax.config import base_config, load_experiment, validate
+from moejax.errors import ConfigError
 from moejax.layout import LayerLayout, layer_layout
 from moejax.model import build_model, per_layer, stacked_layers
-from moejax.training.step import make_train_step
 from moejax.training.state import init_state
+from moejax.training.step import make_train_step
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 B, T = 2, 40  # T not a multiple of the KDA chunk (16 here)

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
-from moejax.moe import balance, metrics
 from moejax.config import base_config
+from moejax.moe import balance, metrics
 from moejax.parallel.mesh import make_mesh
 
 M, N, K = 4096, 256, 8

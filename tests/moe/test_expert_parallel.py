@@ -18,9 +18,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from moejax.config import base_config
+from moejax.moe import expert_parallel as ep
 from moejax.moe.dispatch import dropless_moe
 from moejax.moe.layer import MoE
-from moejax.moe import expert_parallel as ep
 from moejax.parallel import mesh as meshlib
 
 AXES = ("data", "expert")
@@ -264,16 +264,16 @@ def test_train_step_on_a_data_x_expert_mesh_matches_one_device():
   quantile bias comes from histograms across shards, equal to the exact one within a bin: tested in
   test_balance, and enough to change a top-k choice here and there)."""
   import pathlib
-  import sys
 
   from benchmarks import step_setup
   from moejax.model import build_model
-  from moejax.training.step import jit_train_step, make_train_step
   from moejax.training.state import init_state, state_shardings
+  from moejax.training.step import jit_train_step, make_train_step
 
   # Newton-Schulz in float32: bf16 rounding would turn the float noise between the two placements'
   # gradients into update differences beyond this test's tolerance.
-  config = step_setup.load_config(str(pathlib.Path(__file__).resolve().parents[2] / "experiments" / "h200.py"),
+  h200 = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "h200.py"
+  config = step_setup.load_config(str(h200),
                                   ["model.moe.balance=sign", "optim.muon_ns_dtype=float32"], smoke=True)
   model = build_model(config)
   state, optimizer, axes = init_state(model, config, jax.random.key(0), 10)

@@ -8,8 +8,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from moejax.moe.balance import quantile_bias
 from moejax.config import base_config
+from moejax.moe.balance import quantile_bias
 from moejax.moe.layer import EXPERT_WEIGHTS, MoE
 from moejax.moe.router import router_scores
 from moejax.nn import GRAD_ACC

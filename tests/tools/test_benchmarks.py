@@ -11,12 +11,11 @@ import jax
 import numpy as np
 import pytest
 
-
 from benchmarks import attention, kda, step_setup
 from benchmarks.flops import (
-    causal_attention_forward_flops_per_token,
-    kda_forward_flops_per_token,
-    visible_keys_per_query,
+  causal_attention_forward_flops_per_token,
+  kda_forward_flops_per_token,
+  visible_keys_per_query,
 )
 from moejax.model import build_model
 from moejax.params import count_params

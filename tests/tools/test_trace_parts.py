@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
 from tools import memory_plan, trace_parts
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("op_name, expected", [
