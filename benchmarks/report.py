@@ -28,8 +28,8 @@ def replace_section(path: str, title: str, body: str, level: int = 2) -> None:
 def provenance(device_kind: str) -> list[str]:
   """A section's opening lines: the command that ran this script (as `python -m benchmarks.NAME ARGS`),
   today's date and the device."""
-  script = f"benchmarks/{pathlib.Path(sys.argv[0]).name}"
-  return [f"Command: `python3 {' '.join([script, *sys.argv[1:]])}`  ",
+  module = f"benchmarks.{pathlib.Path(sys.argv[0]).stem}"
+  return [f"Command: `python -m {' '.join([module, *sys.argv[1:]])}`  ",
           f"Date: {datetime.date.today()}, device: {device_kind}.", ""]
 
 
