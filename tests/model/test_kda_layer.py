@@ -324,7 +324,9 @@ def test_layer_in_pieces_equals_whole_row(implementation, seg, conv_size):
   (_, (y_whole, g_whole)), grads_whole = run(0)
   (_, (y_pieces, g_pieces)), grads_pieces = run(16)
   np.testing.assert_allclose(np.asarray(y_pieces), np.asarray(y_whole), rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(np.asarray(g_pieces), np.asarray(g_whole), rtol=1e-6, atol=1e-6)
+  # g comes out of two float32 dots over a 16-token piece or the 48-token row, which XLA:CPU may block
+  # differently: rounding of a few 1e-6, the tolerance of y, which g feeds.
+  np.testing.assert_allclose(np.asarray(g_pieces), np.asarray(g_whole), rtol=1e-5, atol=1e-5)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_whole), jax.tree.leaves(grads_pieces),
                           strict=True):
     a, b = np.asarray(a), np.asarray(b)
