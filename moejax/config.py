@@ -190,6 +190,15 @@ def base_config() -> ml_collections.ConfigDict:
   # Device mesh of the run (moejax.parallel.mesh): rows split over data x fsdp x expert, routed
   # experts over expert, params by their logical axes. All ones: one device.
   t.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": 1, "expert": 1, "tensor": 1})
+
+  g = c.inference = ml_collections.ConfigDict()  # moejax.inference: generation from a checkpoint
+  # Positions a decode cache holds per row (prompt, every turn of a conversation, and the new tokens).
+  # 0: the longest sequence the run trains on (the last of train.stages' lengths). The KDA state has no
+  # length; the MLA latents take cache_len x kv_lora_rank numbers a row.
+  g.cache_len = 0
+  # Longer prompts are prefilled in pieces of this many tokens (a power of two), one after another into
+  # the cache: the activations of one piece are live at a time.
+  g.prefill_chunk = 8192
   return c
 
 
@@ -411,6 +420,12 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          tokens // row_shards, "tokens per row shard of a pass")):
       need(not chunk or total <= chunk or total % chunk == 0,
            f"{field}={chunk} does not divide train.stages[{i}]'s {what}, {total}")
+  g = config.inference
+  need(isinstance(g.cache_len, int) and g.cache_len >= 0,
+       f"inference.cache_len must be an integer >= 0 (0: the longest train stage), got {g.cache_len!r}")
+  need(isinstance(g.prefill_chunk, int) and g.prefill_chunk >= 16
+       and g.prefill_chunk & (g.prefill_chunk - 1) == 0,
+       f"inference.prefill_chunk must be a power of two >= 16, got {g.prefill_chunk!r}")
   if m.num_dense_layers < m.num_layers:
     need(m.moe.num_experts % t.mesh.expert == 0,
          f"model.moe.num_experts={m.moe.num_experts} is not divisible by train.mesh.expert={t.mesh.expert}")

@@ -20,7 +20,7 @@ from moejax.layers.attnres import AttnResQuery, ResidualState, StackedResidualSt
 from moejax.layers.ffn import SiTUGLU
 from moejax.layers.kda import KDA, init_kda_cache
 from moejax.layers.mla import GatedMLA, init_mla_cache
-from moejax.layers.packing import Packing
+from moejax.layers.packing import Appended, Packing
 from moejax.layout import SCANNED, LayerLayout, layer_kinds, layer_layout
 from moejax.moe.layer import MoE
 from moejax.nn import LAYERS_AXIS, MATMUL_NAME, RMSNorm, logical_param
@@ -95,8 +95,8 @@ class DecoderLayer(nn.Module):
                       name=f"{role}_norm")(h_BTD)
       if role == "mixer":
         y_BTD, cache = sublayer(x_BTD, packing, cache)
-      else:
-        y_BTD = sublayer(x_BTD, packing)
+      else:  # tokens appended to a cache are one document a row, as far as the FFN can tell
+        y_BTD = sublayer(x_BTD, None if isinstance(packing, Appended) else packing)
       state = state.add(y_BTD.astype(h_BTD.dtype), block_size)
     return state, cache
 
@@ -182,14 +182,16 @@ class Transformer(nn.Module):
       raise ValueError(f"tokens must be an integer [B,T] array, got {tokens_BT.dtype}{tokens_BT.shape}")
     return jnp.take(self.embedding, tokens_BT, axis=0).astype(jnp.dtype(self.cfg.dtype))
 
-  def __call__(self, tokens_BT=None, segment_ids_BT=None, *, embeddings_BTD=None, cache=None):
+  def __call__(self, tokens_BT=None, segment_ids_BT=None, *, embeddings_BTD=None, cache=None,
+               lengths_B=None):
     """(final normalised hidden states [B,T,D], cache).
 
     The row is `tokens_BT` [B,T] embedded, or `embeddings_BTD` [B,T,D] as given: one of the two.
     segment_ids_BT marks the documents packed into each row (None: one a row); the layers read them
     as one `Packing`, worked out here. cache: None (the rows start here; None comes back), or the
     mixers' decode caches (`init_cache`) that the rows continue, one document a row; the caches
-    after the rows' last positions come back.
+    after the rows' last real positions come back. lengths_B (int32 [B], with a cache): row b's
+    first lengths_B[b] tokens are real and the rest padding that reaches no cache (`Appended`).
     """
     if (tokens_BT is None) == (embeddings_BTD is None):
       raise ValueError("Transformer takes either tokens_BT or embeddings_BTD, exactly one of them")
@@ -203,6 +205,12 @@ class Transformer(nn.Module):
     packing = None if segment_ids_BT is None else Packing.of(segment_ids_BT, B, T)
     if cache is not None and packing is not None:
       raise ValueError("a decode cache holds one document a row: call the model without segment_ids")
+    if lengths_B is not None:
+      if cache is None:
+        raise ValueError("lengths_B marks the real tokens appended to a cache: pass the cache too")
+      if tuple(lengths_B.shape) != (B,):
+        raise ValueError(f"lengths_B must have shape [B]=({B},), got {tuple(lengths_B.shape)}")
+      packing = Appended(jnp.asarray(lengths_B, jnp.int32))
     layer_cache = lambda name: None if cache is None else cache[name]
     new_cache = None if cache is None else {}
     state = ResidualState.start(x_BTD)

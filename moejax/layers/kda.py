@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from moejax.layers.packing import document_ids_of
+from moejax.layers.packing import Appended, document_ids_of
 from moejax.nn import check_input, kernel_init, logical_param, matmul, rms_norm
 from pallas_kernels.kda import chunk_kda
+from pallas_kernels.kda.recurrent import recurrent_kda
 from pallas_kernels.short_conv import conv_silu
 
 
@@ -77,9 +78,10 @@ class KDA(nn.Module):
   """KDA mixer: __call__(x_BTD, packing=None, cache=None) -> (y_BTD, cache). Sows the log-decay g as
   intermediates/"g" (float32 [B,T,H,K]) for inspection.
 
-  packing: a `moejax.layers.packing.Packing`, segment ids, or None (one document a row). cache: None
-  (the row starts here; None comes back), or a `KDACarry` that the row continues from (`init_kda_cache`
-  for an empty one); the carry after the row's last position comes back.
+  packing: a `moejax.layers.packing.Packing`, segment ids, or None (one document a row); with a cache
+  also an `Appended` (one document a row, padded at its end). cache: None (the row starts here; None
+  comes back), or a `KDACarry` that the row continues from (`init_kda_cache` for an empty one); the
+  carry after the row's last real position comes back.
 
   With cfg.kda.seq_chunk > 0 (it must divide T), the layer runs over the row in pieces of that many
   tokens, one after another, handing on the recurrent state and the convolution's history, each piece
@@ -121,13 +123,17 @@ class KDA(nn.Module):
     check_input(x_BTD, c.d_model, "KDA")
     B, T, _ = x_BTD.shape
     p = self._params()
-    doc_BT = document_ids_of(packing, B, T)
+    appended = packing if isinstance(packing, Appended) else None
+    doc_BT = None if appended is not None else document_ids_of(packing, B, T)
     x_BTD = x_BTD.astype(jnp.dtype(c.dtype))
     want_g = self.is_mutable_collection("intermediates")
     piece = kc.seq_chunk
+    if appended is not None and cache is None:
+      raise ValueError("KDA: tokens `Appended` to a cache need the cache")
     if cache is not None:
       doc_BT = jnp.zeros((B, T), jnp.int32) if doc_BT is None else doc_BT
-      y_BTD, g_BTHK, cache = kda_mixer(p, c, x_BTD, doc_BT, cache)
+      y_BTD, g_BTHK, cache = kda_mixer(p, c, x_BTD, doc_BT, cache,
+                                       lengths_B=None if appended is None else appended.lengths_B)
     elif not piece or T <= piece:
       y_BTD, g_BTHK, _ = kda_mixer(p, c, x_BTD, doc_BT)
     else:
@@ -161,19 +167,24 @@ class KDA(nn.Module):
     return jnp.concatenate(ys, axis=1), (jnp.concatenate(gs, axis=1) if want_g else None)
 
 
-def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
+def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None, lengths_B=None):
   """The KDA mixer on x [B,T,D] with params p: (y_BTD, g_BTHK, carry after the last position).
 
   carry=None: the row starts here (nothing before position 0). Otherwise the row continues one that
-  ended in `carry`, and doc_BT holds document ids comparable with the carry's.
+  ended in `carry`, and doc_BT holds document ids comparable with the carry's. lengths_B (with a
+  carry): only the first lengths_B[b] tokens of row b are real, and the carry that comes back is the
+  one after the last of them. The pads get no write (beta = 0) and no decay (g = 0), so the recurrent
+  state passes through them unchanged, and the convolution's history is read at the last real token.
   """
   kc, dtype = c.kda, jnp.dtype(c.dtype)
   K = kc.head_k_dim
   lb = check_lower_bound(kc.gate_lower_bound)
   # With a carry, the convolution reaches back into the previous piece's last w = W-1 tokens: it runs
-  # over those and this piece, and the last w of that extended row are what the next piece needs.
+  # over those and this piece, and the w before the end of that extended row are what the next piece
+  # needs.
   w = 0 if carry is None else carry.tail_doc_BW.shape[1]
-  conv_impl = kc.conv_implementation
+  # A decode step convolves W tokens: XLA's few elementwise ops, not a kernel launched over a padded tile.
+  conv_impl = "xla" if carry is not None and x_BTD.shape[1] == 1 else kc.conv_implementation
   doc_ext = doc_BT if carry is None else jnp.concatenate([carry.tail_doc_BW, doc_BT], axis=1)
 
   def conv_branch(name, normalize: bool):
@@ -185,17 +196,22 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
     # so the norm costs no pass of its own, forward or backward.
     y = conv_silu(ext_BTHK, p[f"conv_{name}"], doc_ext, implementation=conv_impl, out_dtype=dtype,
                   normalize_eps=c.norm_eps if normalize else None)[:, w:]
-    return y, ext_BTHK[:, ext_BTHK.shape[1] - w:]
+    return y, ext_BTHK
 
   # The named scopes label this layer's parts in profiles (tools/trace_parts.py).
   with jax.named_scope("qkv_conv"):
-    (q_BTHK, q_tail), (k_BTHK, k_tail), (v_BTHV, v_tail) = (
+    (q_BTHK, q_ext), (k_BTHK, k_ext), (v_BTHV, v_ext) = (
         conv_branch(n, normalize) for n, normalize in (("q", True), ("k", True), ("v", False)))
   with jax.named_scope("gates"):
     beta_BTH = jax.nn.sigmoid(matmul("btd,dh->bth", x_BTD, p["w_beta"], dtype).astype(jnp.float32))
     z_BTR = matmul("btd,dr->btr", x_BTD, p["w_decay_a"], dtype)
     z_BTHK = matmul("btr,rhk->bthk", z_BTR, p["w_decay_b"], dtype)
     g_BTHK = bounded_decay(z_BTHK, p["A_log"], p["dt_bias"], lb)
+  B, T = x_BTD.shape[:2]
+  if lengths_B is not None:
+    valid_BT = jnp.arange(T, dtype=jnp.int32)[None, :] < lengths_B[:, None]
+    beta_BTH = jnp.where(valid_BT[:, :, None], beta_BTH, 0.0)
+    g_BTHK = jnp.where(valid_BT[:, :, None, None], g_BTHK, 0.0)
 
   state_in = None
   if carry is not None:
@@ -203,10 +219,15 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
     same_B = doc_BT[:, 0] == carry.last_doc_B
     state_in = jnp.where(same_B[:, None, None, None], carry.state_BHKV, 0.0)
   with jax.named_scope("chunk_kda"):
-    o_BTHV, state_out = chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale=K ** -0.5,
-                                  initial_state=state_in, output_final_state=carry is not None,
-                                  segment_ids=doc_BT, chunk_size=kc.chunk_size,
-                                  implementation=kc.implementation)
+    if carry is not None and T == 1:
+      # A decode step: one token's update of the state, instead of a whole chunk padded around it.
+      o_BTHV, state_out = recurrent_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale=K ** -0.5,
+                                        initial_state=state_in, output_final_state=True)
+    else:
+      o_BTHV, state_out = chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale=K ** -0.5,
+                                    initial_state=state_in, output_final_state=carry is not None,
+                                    segment_ids=doc_BT, chunk_size=kc.chunk_size,
+                                    implementation=kc.implementation)
 
   with jax.named_scope("output"):
     o_BTHV = rms_norm(o_BTHV, p["o_norm_scale"], c.norm_eps)
@@ -216,6 +237,13 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None):
     y_BTD = matmul("bthv,hvd->btd", (o_BTHV * gate_BTHV).astype(dtype), p["w_o"], dtype)
   if carry is None:
     return y_BTD, g_BTHK, None
-  new = KDACarry(state_out, {"q": q_tail, "k": k_tail, "v": v_tail}, doc_ext[:, doc_ext.shape[1] - w:],
-                 doc_BT[:, -1])
+  if lengths_B is None:
+    tail = lambda a: a[:, a.shape[1] - w:]
+    last_doc_B = doc_BT[:, -1]
+  else:  # the history ends at the last real token: positions [n, n + w) of each extended row
+    at_BW = lengths_B[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
+    tail = lambda a: jnp.take_along_axis(a, at_BW.reshape(at_BW.shape + (1,) * (a.ndim - 2)), axis=1)
+    last_B = jnp.take_along_axis(doc_BT, jnp.maximum(lengths_B - 1, 0)[:, None], axis=1)[:, 0]
+    last_doc_B = jnp.where(lengths_B > 0, last_B, carry.last_doc_B)
+  new = KDACarry(state_out, {"q": tail(q_ext), "k": tail(k_ext), "v": tail(v_ext)}, tail(doc_ext), last_doc_B)
   return y_BTD, g_BTHK, new

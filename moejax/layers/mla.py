@@ -16,15 +16,16 @@ import jax.numpy as jnp
 import ml_collections
 
 from moejax.config import MLA_ATTENTIONS
-from moejax.layers.packing import document_ids_of
+from moejax.layers.packing import Appended, document_ids_of
 from moejax.nn import RMSNorm, check_input, kernel_init, logical_param, matmul
 from pallas_kernels.attention import document_attention
 
 
 def init_mla_cache(cfg: ml_collections.FrozenConfigDict, batch: int, max_len: int):
-  """Empty decode cache: the normalised kv latent of every position, and the next write index."""
+  """Empty decode cache: room for the normalised kv latent of `max_len` positions per row, and how many
+  of them each row has filled."""
   return {"latent": jnp.zeros((batch, max_len, cfg.mla.kv_lora_rank), jnp.dtype(cfg.dtype)),
-          "index": jnp.zeros((), jnp.int32)}
+          "length": jnp.zeros((batch,), jnp.int32)}
 
 
 def max_logits(q_BTHK, k_BTHK, doc_BT, scale: float, chunk: int = 512):
@@ -58,6 +59,53 @@ def max_logits(q_BTHK, k_BTHK, doc_BT, scale: float, chunk: int = 512):
     return jax.lax.fori_loop(0, i + 1, key_block, jnp.full((H,), -jnp.inf, jnp.float32))
 
   return jnp.max(jax.lax.map(query_block, jnp.arange(n)), axis=0)
+
+
+# Keys per block: at most this many, and few enough that a block's [B, H, S, block] float32 scores stay
+# near 1 GiB.
+_MAX_BLOCK, _SCORE_ELEMENTS = 16384, 1 << 28
+
+
+def latent_attention(qc_BSHC, latent_BLC, pos_BS, scale: float):
+  """Softmax attention of S queries per row over the cached latents, in the latent space (keys and
+  values are both the latent, multi-query over the H heads): query s of row b sees the positions
+  l <= pos_BS[b, s]. [B,S,H,C] in the latents' dtype.
+
+  Over blocks of keys with a running max and sum (flash attention's recurrence, in XLA), and only as
+  many blocks as the furthest query reaches: a decode step reads the filled part of the cache, not its
+  whole length, and a long prefill piece never holds a [S, L] score matrix. The blocks tile the cache
+  without padding it (a copy of the whole cache): the last one starts early enough to end at L, and
+  its keys that the block before it covered are masked.
+  """
+  B, S, H, C = qc_BSHC.shape
+  L = latent_BLC.shape[1]
+  n = -(-L // max(1, min(_MAX_BLOCK, _SCORE_ELEMENTS // (B * H * S))))
+  block = -(-L // n)
+  q_BSHC = qc_BSHC.astype(latent_BLC.dtype)
+
+  def one_block(j, carry):
+    m_BHS, sum_BHS, acc_BSHC = carry
+    start = jnp.minimum(j * block, L - block)
+    kv_BKC = jax.lax.dynamic_slice_in_dim(latent_BLC, start, block, axis=1)
+    s_BHSK = jnp.einsum("bshc,bkc->bhsk", q_BSHC, kv_BKC, preferred_element_type=jnp.float32) * scale
+    key_K = start + jnp.arange(block, dtype=jnp.int32)
+    visible_BSK = (key_K[None, None, :] >= j * block) & (key_K[None, None, :] <= pos_BS[:, :, None])
+    s_BHSK = jnp.where(visible_BSK[:, None], s_BHSK, -jnp.inf)
+    m_new_BHS = jnp.maximum(m_BHS, jnp.max(s_BHSK, axis=-1))
+    p_BHSK = jnp.exp(s_BHSK - m_new_BHS[..., None])
+    correction_BHS = jnp.exp(m_BHS - m_new_BHS)
+    sum_BHS = sum_BHS * correction_BHS + jnp.sum(p_BHSK, axis=-1)
+    pv_BSHC = jnp.einsum("bhsk,bkc->bshc", p_BHSK.astype(kv_BKC.dtype), kv_BKC,
+                         preferred_element_type=jnp.float32)
+    acc_BSHC = acc_BSHC * jnp.swapaxes(correction_BHS, 1, 2)[..., None] + pv_BSHC
+    return m_new_BHS, sum_BHS, acc_BSHC
+
+  # Finite, not -inf: a block a query cannot see leaves its max where it was, and exp(m - m) stays 1.
+  carry = (jnp.full((B, H, S), -1e30, jnp.float32), jnp.zeros((B, H, S), jnp.float32),
+           jnp.zeros((B, S, H, C), jnp.float32))
+  reach = jnp.minimum(jnp.max(pos_BS) // block + 1, n)
+  _, sum_BHS, acc_BSHC = jax.lax.fori_loop(0, reach, one_block, carry)
+  return (acc_BSHC / jnp.swapaxes(sum_BHS, 1, 2)[..., None]).astype(latent_BLC.dtype)
 
 
 class GatedMLA(nn.Module):
@@ -155,14 +203,17 @@ class GatedMLA(nn.Module):
   def __call__(self, x_BTD, packing=None, cache=None):
     """(y_BTD, cache). packing: a `moejax.layers.packing.Packing`, segment ids, or None (one document a
     row). cache: None (the whole row at once; None comes back), or a decode cache (`init_mla_cache`)
-    that the row's S tokens of one document are appended to (`decode`)."""
+    that the row's S tokens of one document are appended to (`decode`); then packing is None or an
+    `Appended` (rows of fewer real tokens)."""
     check_input(x_BTD, self.cfg.d_model, "GatedMLA")
     B, T, _ = x_BTD.shape
-    doc_BT = document_ids_of(packing, B, T)
     if cache is not None:
-      if doc_BT is not None:
+      if packing is not None and not isinstance(packing, Appended):
         raise ValueError("GatedMLA: a decode cache holds one document a row; call it without packing")
-      return self.decode(x_BTD, cache)
+      return self.decode(x_BTD, cache, None if packing is None else packing.lengths_B)
+    if isinstance(packing, Appended):
+      raise ValueError("GatedMLA: tokens `Appended` to a cache need the cache")
+    doc_BT = document_ids_of(packing, B, T)
     x_BTD = x_BTD.astype(self.dtype)
     q_BTHK = self.queries(x_BTD)
     c_BTC = self.kv_latent(x_BTD)
@@ -177,40 +228,56 @@ class GatedMLA(nn.Module):
       o_BTHV = self.attention(q_BTHK, k_BTHK, v_BTHV, doc_BT, K ** -0.5)
     return self.gated_output(x_BTD, o_BTHV), None
 
-  def decode(self, x_BSD, cache):
+  def decode(self, x_BSD, cache, lengths_B=None):
     """Appends S tokens (S >= 1) of one document per row to `cache`; returns (y_BSD, new cache).
+    lengths_B: row b's first lengths_B[b] tokens are real (default: all S); the others write nothing.
 
-    Writing past the cache's length raises where `index` is concrete; under jit, where it is traced,
-    the outputs of such a call are NaN instead (the write itself cannot be stopped there).
+    Writing past the cache's length raises where the lengths are concrete; under jit, where they are
+    traced, the overflowing rows' outputs are NaN instead (their write is dropped).
 
     Scores are q^T W_uk^T c = (W_uk q)^T c and outputs W_uv^T (sum_j p_j c_j), so attention runs
     in the kv_lora space as multi-query attention with a single latent head for keys and values.
     """
     check_input(x_BSD, self.cfg.d_model, "GatedMLA.decode")
-    latent_BLC, index = cache["latent"], cache["index"]
-    S, L = x_BSD.shape[1], latent_BLC.shape[1]
-    if latent_BLC.shape != (x_BSD.shape[0], L, self.cfg.mla.kv_lora_rank):
-      raise ValueError(f"GatedMLA.decode: cache latent shape {latent_BLC.shape} does not match "
-                       f"batch {x_BSD.shape[0]} and kv_lora_rank {self.cfg.mla.kv_lora_rank}")
-    if not isinstance(index, jax.core.Tracer) and int(index) + S > L:
-      raise ValueError(f"GatedMLA.decode: writing {S} tokens at index {int(index)} overflows the "
-                       f"cache of length {L}")
+    latent_BLC, filled_B = cache["latent"], cache["length"]
+    B, S, L = x_BSD.shape[0], x_BSD.shape[1], latent_BLC.shape[1]
+    if latent_BLC.shape != (B, L, self.cfg.mla.kv_lora_rank) or filled_B.shape != (B,):
+      raise ValueError(f"GatedMLA.decode: cache latent {latent_BLC.shape} and length {filled_B.shape} do "
+                       f"not match batch {B} and kv_lora_rank {self.cfg.mla.kv_lora_rank}")
+    new_B = jnp.full((B,), S, jnp.int32) if lengths_B is None else jnp.asarray(lengths_B, jnp.int32)
+    end_B = filled_B + new_B
+    traced = any(isinstance(a, jax.core.Tracer) for a in (filled_B, new_B))
+    if not traced and int(jnp.max(end_B)) > L:
+      raise ValueError(f"GatedMLA.decode: appending {new_B.tolist()} tokens to rows holding "
+                       f"{filled_B.tolist()} overflows the cache of length {L}")
     x_BSD = x_BSD.astype(self.dtype)
     c_BSC = self.kv_latent(x_BSD)
-    latent_BLC = jax.lax.dynamic_update_slice(latent_BLC, c_BSC.astype(latent_BLC.dtype),
-                                              (0, index, 0))
+    pos_BS = filled_B[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]
+    # Pads' positions, and any past the end, point outside the cache: their writes are dropped.
+    write_BS = jnp.where((jnp.arange(S)[None, :] < new_B[:, None]) & (pos_BS < L), pos_BS, L)
+    latent_BLC = latent_BLC.at[jnp.arange(B)[:, None], write_BS].set(c_BSC.astype(latent_BLC.dtype),
+                                                                     mode="drop")
     q_BSHK = self.queries(x_BSD)
-    qc_BSHC = matmul("bshk,chk->bshc", q_BSHK, self.w_uk, self.dtype)
-    kv_BL1C = latent_BLC.astype(self.dtype)[:, :, None, :]
-    pos_S = index + jnp.arange(S, dtype=jnp.int32)
-    mask_11SL = (jnp.arange(L, dtype=jnp.int32)[None, :] <= pos_S[:, None])[None, None]
-    # XLA: with one query token per step the work is a memory-bound read of the cache, and cuDNN
-    # would need seqlens/bias plumbing for the partly filled cache.
-    oc_BSHC = jax.nn.dot_product_attention(qc_BSHC, kv_BL1C, kv_BL1C, mask=mask_11SL,
-                                           scale=self.cfg.mla.qk_nope_head_dim ** -0.5,
-                                           implementation="xla")
-    o_BSHV = matmul("bshc,chv->bshv", oc_BSHC, self.w_uv, self.dtype)
+    scale = self.cfg.mla.qk_nope_head_dim ** -0.5
+
+    def over_the_cache(_):
+      qc_BSHC = matmul("bshk,chk->bshc", q_BSHK, self.w_uk, self.dtype)
+      oc_BSHC = latent_attention(qc_BSHC, latent_BLC, pos_BS, scale)
+      return matmul("bshc,chv->bshv", oc_BSHC, self.w_uv, self.dtype)
+
+    def within_the_piece(_):
+      # Every row starts here, so the piece attends to itself alone: the training path's kernels, on
+      # per-head keys and values (fewer FLOPs than the latent form at long S). Pads end the rows, so
+      # causality keeps them from the real tokens.
+      k_BSHK = matmul("bsc,chk->bshk", c_BSC, self.w_uk, self.dtype)
+      v_BSHV = matmul("bsc,chv->bshv", c_BSC, self.w_uv, self.dtype)
+      return self.attention(q_BSHK, k_BSHK, v_BSHV, None, scale).astype(self.dtype)
+
+    if S == 1:
+      o_BSHV = over_the_cache(None)
+    else:
+      o_BSHV = jax.lax.cond(jnp.all(filled_B == 0), within_the_piece, over_the_cache, None)
     y_BSD = self.gated_output(x_BSD, o_BSHV)
-    if isinstance(index, jax.core.Tracer):
-      y_BSD = jnp.where(index + S > L, jnp.nan, y_BSD)
-    return y_BSD, {"latent": latent_BLC, "index": index + S}
+    if traced:
+      y_BSD = jnp.where((end_B > L)[:, None, None], jnp.nan, y_BSD)
+    return y_BSD, {"latent": latent_BLC, "length": jnp.minimum(end_B, L)}

@@ -48,6 +48,20 @@ class Packing(NamedTuple):
     return self.document_ids_BT[:, -1] + 1
 
 
+class Appended(NamedTuple):
+  """Tokens appended to the rows' decode caches (`moejax.inference`): row b's first `lengths_B[b]`
+  tokens are real and the rest pad it to the batch's common length. Pads reach no state or cache: a
+  KDA layer's recurrent state and convolution history stay as the last real token left them, and an
+  MLA layer writes no latent for them. Their outputs are meaningless, and a row of length 0 leaves its
+  caches as they were."""
+
+  lengths_B: jax.Array  # int32 [B], each in [0, T]
+
+  def valid_BT(self, length: int) -> jax.Array:
+    """bool [B, length]: which positions of each row are real tokens."""
+    return jnp.arange(length, dtype=jnp.int32)[None, :] < self.lengths_B[:, None]
+
+
 def document_ids_of(packing: "Packing | jax.Array | None", batch: int, length: int) -> jax.Array | None:
   """A layer's packing argument as row-local document ids [batch, length]: a Packing's as they are,
   segment ids' (a layer called on its own, outside the model) worked out here, and None (one

@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 
 import jax
@@ -61,6 +62,19 @@ def _pin_data(workdir: str, manifest_path: str, manifest: dict, resuming: bool) 
                         f"than {manifest_path} holds now ({pin}): restore the corpus and data config, or "
                         f"start in a new workdir")
   _write_json(path, pin)
+
+
+# What moejax.inference.load_model reads from a workdir besides the checkpoints.
+CONFIG_FILE, TOKENIZER_FILE = "config.json", "tokenizer.json"
+
+
+def _save_for_inference(workdir: str, config, manifest_path: str, manifest: dict) -> None:
+  """The run's validated config and its tokenizer, next to the checkpoints: a workdir alone is enough to
+  load the model and generate (moejax.inference.load_model), wherever the prepared corpus lives."""
+  _write_json(os.path.join(workdir, CONFIG_FILE), config.to_dict())
+  source = os.path.join(os.path.dirname(manifest_path), manifest["tokenizer"]["file"])
+  shutil.copyfile(source, os.path.join(workdir, TOKENIZER_FILE + ".tmp"))
+  os.replace(os.path.join(workdir, TOKENIZER_FILE + ".tmp"), os.path.join(workdir, TOKENIZER_FILE))
 
 
 def _write_json(path: str, value) -> None:
@@ -165,6 +179,7 @@ def run(config, workdir: str) -> dict:
   data_it = _iterator_for_step(config, stages, 0, manifest_path)
   restored = manager.restore_latest(state, lambda s: _iterator_for_step(config, stages, s, manifest_path))
   _pin_data(workdir, manifest_path, manifest, resuming=restored is not None)
+  _save_for_inference(workdir, config, manifest_path, manifest)
   fresh_stream = _pin_run(workdir, config, stages, None if restored is None else int(restored[0].step))
   if restored is not None:
     state, data_it = restored

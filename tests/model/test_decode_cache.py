@@ -2,6 +2,7 @@
 and give what the whole row gives at once. Float32 on the XLA paths, so the two orders of summation agree
 to float rounding."""
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,8 @@ from hypothesis import strategies as st
 
 from moejax.config import base_config
 from moejax.layers.kda import KDA, init_kda_cache
-from moejax.layers.packing import Packing
+from moejax.layers.mla import GatedMLA, init_mla_cache
+from moejax.layers.packing import Appended, Packing
 from moejax.model import build_model, init_cache, stacked_layers
 
 B, T = 2, 13  # T not a multiple of the KDA chunk (16)
@@ -85,7 +87,7 @@ def test_model_decode_matches_the_whole_row(unrolled, scan, mode, prefill):
   # The caches came back with the structure they went in with, advanced by the row.
   assert jax.tree.structure(cache) == jax.tree.structure(init_cache(model.cfg, B, max_len=T + 3))
   mla_index = [x for path, x in jax.tree_util.tree_flatten_with_path(cache)[0]
-               if getattr(path[-1], "key", None) == "index"]
+               if getattr(path[-1], "key", None) == "length"]
   assert mla_index and all(np.all(np.asarray(i) == T) for i in mla_index)
 
 
@@ -144,3 +146,51 @@ def test_kda_layer_continues_from_its_cache(split, lengths, seed):
 
 
 _KDA_PARAMS = jax.jit(_KDA.init)(jax.random.key(3), jnp.zeros((1, _LENGTH, _KDA_CFG.d_model)))
+
+
+@settings(deadline=None, max_examples=4)
+@given(lengths=st.lists(st.integers(0, 20), min_size=3, max_size=3), before=st.integers(0, 5),
+       seed=st.integers(0, 2**16))
+def test_kda_pads_reach_no_state(lengths, before, seed):
+  """Rows of 0 to 20 real tokens padded to 20 and appended together leave each row's carry as
+  appending its real tokens alone does, and give the same outputs at the real positions; across a
+  chunk edge (16), after a first piece of `before` tokens or none."""
+  rng = np.random.default_rng(seed)
+  B, T = 3, 20
+  x = jnp.asarray(rng.standard_normal((B, before + T, _KDA_CFG.d_model)), jnp.float32)
+  apply = jax.jit(lambda x, n, cache: _KDA.apply(_KDA_PARAMS, x, Appended(n), cache=cache))
+  cache = init_kda_cache(_KDA.cfg, B)
+  if before:
+    _, cache = apply(x[:, :before], jnp.full((B,), before, jnp.int32), cache)
+  y, padded = apply(x[:, before:], jnp.asarray(lengths, jnp.int32), cache)
+  for b, n in enumerate(lengths):
+    row = jax.tree.map(lambda a, b=b: a[b:b + 1], cache)
+    if n:
+      y_alone, alone = _KDA_APPLY(_KDA_PARAMS, x[b:b + 1, before:before + n], None, row)
+      np.testing.assert_allclose(np.asarray(y[b, :n]), np.asarray(y_alone[0]), rtol=1e-4, atol=1e-5)
+    else:
+      alone = row
+    chex.assert_trees_all_close(jax.tree.map(lambda a, b=b: a[b:b + 1], padded), alone, rtol=1e-4, atol=1e-5)
+
+
+def test_mla_pads_write_nothing():
+  """An MLA cache appended rows of 2, 0 and 5 real tokens (padded to 5) holds what appending each
+  row's real tokens alone writes, and nothing past them."""
+  cfg = _config().model
+  layer = GatedMLA(ml_collections.FrozenConfigDict(cfg))
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 8, cfg.d_model)), jnp.float32)
+  params = layer.init(jax.random.key(0), x)
+  apply = jax.jit(lambda x, n, cache: layer.apply(params, x, Appended(n), cache=cache))
+  cache = init_mla_cache(layer.cfg, 3, 12)
+  _, cache = apply(x[:, :3], jnp.full((3,), 3, jnp.int32), cache)
+  y, padded = apply(x[:, 3:], jnp.asarray([2, 0, 5], jnp.int32), cache)
+  np.testing.assert_array_equal(np.asarray(padded["length"]), [5, 3, 8])
+  for b, n in enumerate([2, 0, 5]):
+    row = jax.tree.map(lambda a, b=b: a[b:b + 1], cache)
+    if n:
+      y_alone, alone = layer.apply(params, x[b:b + 1, 3:3 + n], cache=row)
+      np.testing.assert_allclose(np.asarray(y[b, :n]), np.asarray(y_alone[0]), rtol=1e-5, atol=1e-5)
+    else:
+      alone = row
+    np.testing.assert_allclose(np.asarray(padded["latent"][b]), np.asarray(alone["latent"][0]), atol=1e-6)
+    assert not np.any(np.asarray(padded["latent"][b, 3 + n:]))  # nothing written past the real tokens

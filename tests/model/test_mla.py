@@ -217,7 +217,7 @@ def test_decode_matches_training_path(prefill):
   for t in range(prefill, x.shape[1]):
     out, cache = step(x[:, t:t + 1], cache)
     outs.append(out)
-  assert int(cache["index"]) == x.shape[1]
+  assert np.all(np.asarray(cache["length"]) == x.shape[1])
   assert cache["latent"].shape == (2, 12, cfg.mla.kv_lora_rank)
   np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, axis=1)), np.asarray(y), rtol=1e-5,
                              atol=1e-5)
@@ -284,3 +284,29 @@ def test_attention_choice():
   if not on_gpu:
     with pytest.raises(ValueError, match="needs a GPU backend"):
       GatedMLA(make_cfg(attention="pallas")).apply({"params": BASE_PARAMS}, BASE_X)
+
+
+@hypothesis.settings(deadline=None, max_examples=6)
+@hypothesis.given(S=st.integers(1, 5), L=st.integers(5, 40), max_block=st.sampled_from([4, 7, 64]),
+                  seed=st.integers(0, 2**16))
+def test_latent_attention_is_softmax_over_the_visible_cache(S, L, max_block, seed):
+  """The blockwise recurrence, with blocks that tile L unevenly (the last one starting early), equals
+  a plain float64 softmax over each query's visible positions l <= pos."""
+  import moejax.layers.mla as mla_module
+
+  rng = np.random.default_rng(seed)
+  B, H, C = 2, 3, 8
+  q = rng.standard_normal((B, S, H, C)).astype(np.float32)
+  latent = rng.standard_normal((B, L, C)).astype(np.float32)
+  pos = np.stack([rng.integers(0, L, S), rng.integers(0, L, S)]).astype(np.int32)
+  old = mla_module._MAX_BLOCK
+  mla_module._MAX_BLOCK = max_block
+  try:
+    got = np.asarray(mla_module.latent_attention(jnp.asarray(q), jnp.asarray(latent), jnp.asarray(pos), 0.3))
+  finally:
+    mla_module._MAX_BLOCK = old
+  scores = np.einsum("bshc,blc->bhsl", q.astype(np.float64), latent.astype(np.float64)) * 0.3
+  scores = np.where((np.arange(L)[None, None, :] <= pos[:, :, None])[:, None], scores, -np.inf)
+  p = np.exp(scores - scores.max(-1, keepdims=True))
+  want = np.einsum("bhsl,blc->bshc", p / p.sum(-1, keepdims=True), latent.astype(np.float64))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
