@@ -13,6 +13,7 @@ caches are kept (only the new text is prefilled). Generation stops at the tokeni
 
 import argparse
 import json
+import os
 import sys
 
 from moejax.device_memory import use_default_memory_fraction
@@ -62,6 +63,8 @@ def _sampling(args) -> dict:
 
 def _read_prompts(path: str) -> list[str]:
   prompts = []
+  if not os.path.isfile(path):
+    raise SystemExit(f"no prompts file at {path}")
   with open(path) as f:
     for i, line in enumerate(f, 1):
       if not line.strip():

@@ -15,7 +15,9 @@ def code_cells(name):
   return ["".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "code"]
 
 
-def test_quickstart_notebook_runs(tmp_path):
+def test_quickstart_then_generate_notebooks_run(tmp_path):
+  """The quickstart notebook trains a few steps; the generation notebook then loads that run (as it
+  loads the Quickstart's) and generates from it."""
   cells = code_cells("quickstart.ipynb")
   assert "MOEJAX_REPO" in cells[0], "the first code cell installs moejax where it is not importable"
   assert cells[1].startswith("STEPS = "), "the second code cell sets STEPS and WORKDIR"
@@ -29,3 +31,14 @@ def test_quickstart_notebook_runs(tmp_path):
   assert "step 6 moe/layer_1/moe/load:" in out.stdout, out.stdout
   diffs = re.search(r"max \|chunked - recurrent\|: (\S+) (\S+)", out.stdout)
   assert diffs and max(float(diffs[1]), float(diffs[2])) < 1e-4, out.stdout
+
+  cells = code_cells("generate.ipynb")
+  assert "MOEJAX_REPO" in cells[0], "the first code cell installs moejax where it is not importable"
+  assert cells[1].startswith("WORKDIR = "), "the second code cell sets WORKDIR"
+  cells[1] = f"WORKDIR = {str(tmp_path / 'run')!r}"
+  out = subprocess.run([sys.executable, "-c", "\n\n".join(cells)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=1200)
+  assert out.returncode == 0, out.stderr[-4000:]
+  assert "step 6, vocabulary" in out.stdout, out.stdout
+  assert "greedy tokens equal the argmax of the full forward pass" in out.stdout, out.stdout
+  assert "the second turn equals one pass over the whole history" in out.stdout, out.stdout

@@ -82,12 +82,17 @@ def latent_attention(qc_BSHC, latent_BLC, pos_BS, scale: float):
   n = -(-L // max(1, min(_MAX_BLOCK, _SCORE_ELEMENTS // (B * H * S))))
   block = -(-L // n)
   q_BSHC = qc_BSHC.astype(latent_BLC.dtype)
+  # bf16 x bf16 -> float32 dots, which XLA's CPU runtime lacks inside loops: there the operands are
+  # widened first, the same products (exact in float32) and the same float32 sums.
+  wide = jax.default_backend() == "cpu" and latent_BLC.dtype != jnp.float32
+  dot = lambda spec, a, b: jnp.einsum(spec, a.astype(jnp.float32) if wide else a,
+                                      b.astype(jnp.float32) if wide else b, preferred_element_type=jnp.float32)
 
   def one_block(j, carry):
     m_BHS, sum_BHS, acc_BSHC = carry
     start = jnp.minimum(j * block, L - block)
     kv_BKC = jax.lax.dynamic_slice_in_dim(latent_BLC, start, block, axis=1)
-    s_BHSK = jnp.einsum("bshc,bkc->bhsk", q_BSHC, kv_BKC, preferred_element_type=jnp.float32) * scale
+    s_BHSK = dot("bshc,bkc->bhsk", q_BSHC, kv_BKC) * scale
     key_K = start + jnp.arange(block, dtype=jnp.int32)
     visible_BSK = (key_K[None, None, :] >= j * block) & (key_K[None, None, :] <= pos_BS[:, :, None])
     s_BHSK = jnp.where(visible_BSK[:, None], s_BHSK, -jnp.inf)
@@ -95,8 +100,7 @@ def latent_attention(qc_BSHC, latent_BLC, pos_BS, scale: float):
     p_BHSK = jnp.exp(s_BHSK - m_new_BHS[..., None])
     correction_BHS = jnp.exp(m_BHS - m_new_BHS)
     sum_BHS = sum_BHS * correction_BHS + jnp.sum(p_BHSK, axis=-1)
-    pv_BSHC = jnp.einsum("bhsk,bkc->bshc", p_BHSK.astype(kv_BKC.dtype), kv_BKC,
-                         preferred_element_type=jnp.float32)
+    pv_BSHC = dot("bhsk,bkc->bshc", p_BHSK.astype(kv_BKC.dtype), kv_BKC)
     acc_BSHC = acc_BSHC * jnp.swapaxes(correction_BHS, 1, 2)[..., None] + pv_BSHC
     return m_new_BHS, sum_BHS, acc_BSHC
 
