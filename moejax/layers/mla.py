@@ -85,8 +85,8 @@ def latent_attention(qc_BSHC, latent_BLC, pos_BS, scale: float):
   # bf16 x bf16 -> float32 dots, which XLA's CPU runtime lacks inside loops: there the operands are
   # widened first, the same products (exact in float32) and the same float32 sums.
   wide = jax.default_backend() == "cpu" and latent_BLC.dtype != jnp.float32
-  dot = lambda spec, a, b: jnp.einsum(spec, a.astype(jnp.float32) if wide else a,
-                                      b.astype(jnp.float32) if wide else b, preferred_element_type=jnp.float32)
+  widen = (lambda x: x.astype(jnp.float32)) if wide else (lambda x: x)
+  dot = lambda spec, a, b: jnp.einsum(spec, widen(a), widen(b), preferred_element_type=jnp.float32)
 
   def one_block(j, carry):
     m_BHS, sum_BHS, acc_BSHC = carry

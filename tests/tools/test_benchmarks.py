@@ -105,12 +105,12 @@ def test_newton_schulz_flops_by_hand_and_matrix_list():
 
 
 def test_newton_schulz_benchmark_smoke():
-  """`newton_schulz.py --smoke --sweep` on the CPU (interpret mode): the whole update's two rows with
-  errors of bf16 size against float32 (a wrong kernel would be of order 1), one row per group whose
-  matrices add up to step.py's count of Muon's matrices, and the swept block's row."""
+  """`newton_schulz.py --smoke` on the CPU (interpret mode): the whole update's two rows with errors of
+  bf16 size against float32 (a wrong kernel would be of order 1), and one row per group whose matrices
+  add up to step.py's count of Muon's matrices."""
   root = pathlib.Path(__file__).resolve().parents[2]
-  out = subprocess.run([sys.executable, "-m", "benchmarks.newton_schulz", "--smoke",
-                        "--sweep", "32,16,4,2"], capture_output=True, text=True, timeout=600, cwd=root)
+  out = subprocess.run([sys.executable, "-m", "benchmarks.newton_schulz", "--smoke"],
+                       capture_output=True, text=True, timeout=600, cwd=root)
   assert out.returncode == 0, out.stderr[-2000:]
   lines = out.stdout.splitlines()
   # The section as printed at the end (its rows were printed once before, as they came).
@@ -128,7 +128,6 @@ def test_newton_schulz_benchmark_smoke():
   for col in (2, 3, 5):
     column = [float(line.split("|")[col]) for line in groups]
     assert float(total[col]) == pytest.approx(sum(column), abs=1e-3 * len(groups))  # rows rounded
-  assert any(line.startswith("| 32,16,4,2 |") for line in lines), out.stdout
 
 
 @pytest.mark.parametrize("row", [0, 15, 16, 47, 99])
