@@ -85,6 +85,8 @@ def main():
   from pallas_kernels.newton_schulz import GRAM_BLOCKS, POLY_BLOCKS, Blocks, gram_poly
 
   ours = "interpret" if args.smoke else "pallas"
+  # A smoke run checks that the script works end to end: one untimed and one timed call of each.
+  timed = (lambda fn, *a: time_ms(fn, *a, calls=1, repeats=1)) if args.smoke else time_ms
   config = load_config(args.config, [], smoke=args.smoke)
   params, dims, axes = muon_side(config)
 
@@ -113,7 +115,7 @@ def main():
         updates[name] = step(grads, state)
       continue
     updates[name] = step(grads, state)
-    times[name] = time_ms(step, grads, state)
+    times[name] = timed(step, grads, state)
   flat = lambda u: [x for x in jax.tree.leaves(u) if hasattr(x, "shape")]
   err = {name: relative_error(jnp.concatenate([x.ravel() for x in flat(updates[name])]),
                               jnp.concatenate([x.ravel() for x in flat(updates["float32 reference"])]))
@@ -144,9 +146,9 @@ def main():
   totals = [0.0, 0.0, 0.0]
   for rank, (b, m, n) in enumerate(largest_first):
     x = jax.random.normal(rng, (b, m, n), jnp.bfloat16)
-    t = {impl: time_ms(jax.jit(lambda x, impl=impl: newton_schulz(x, implementation=impl)), x)
+    t = {impl: timed(jax.jit(lambda x, impl=impl: newton_schulz(x, implementation=impl)), x)
          for impl in ("xla", ours)}
-    t_gram_p = time_ms(jax.jit(lambda x: newton_schulz(x, implementation=ours, poly_blocks=GRAM_BLOCKS)), x)
+    t_gram_p = timed(jax.jit(lambda x: newton_schulz(x, implementation=ours, poly_blocks=GRAM_BLOCKS)), x)
     lines.append(f"| {b} x {m} x {n} | {t['xla']:.3f} | {t[ours]:.3f} | {t['xla'] / t[ours]:.2f} "
                  f"| {t_gram_p:.3f} |")
     totals = [sum(v) for v in zip(totals, (t["xla"], t[ours], t_gram_p), strict=True)]
@@ -166,7 +168,7 @@ def main():
       cells = []
       for fn, arg in zip(kernels, (x, s), strict=True):
         try:
-          cells.append(f"{time_ms(fn, arg):.3f}")
+          cells.append(f"{timed(fn, arg):.3f}")
         except jax.errors.JaxRuntimeError as e:  # e.g. more shared memory than the card has
           print(f"  sweep {text}: failed: {str(e).splitlines()[0][:200]}", flush=True)
           cells.append(f"failed ({type(e).__name__})")
