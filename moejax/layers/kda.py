@@ -180,7 +180,7 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None, lengths_
   K = kc.head_k_dim
   lb = check_lower_bound(kc.gate_lower_bound)
   # With a carry, the convolution reaches back into the previous piece's last w = W-1 tokens: it runs
-  # over those and this piece, and the w before the end of that extended row are what the next piece
+  # over those and this piece, and the last w real tokens of that extended row are what the next piece
   # needs.
   w = 0 if carry is None else carry.tail_doc_BW.shape[1]
   # A decode step convolves W tokens: XLA's few elementwise ops, not a kernel launched over a padded tile.
