@@ -45,12 +45,6 @@ def _log(*parts):
   print(time.strftime("%H:%M:%S"), *parts, flush=True)
 
 
-def fresh_rows(lm, batch: int, length: int) -> Rows:
-  vocab = lm.vocab_size
-  return Rows(init_cache(lm.model.cfg, batch, length), jnp.zeros((batch, vocab), jnp.float32),
-              jnp.ones((batch,), bool), jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32))
-
-
 def filled_rows(lm, batch: int, context: int, room: int, seed: int = 0) -> Rows:
   """Rows whose caches hold `context` tokens of random content, with room for `room` more."""
   shapes = jax.eval_shape(lambda: init_cache(lm.model.cfg, batch, context + room))
@@ -77,7 +71,7 @@ def time_prefill(lm, length: int, repeats: int = 3) -> float:
   tokens = jax.random.randint(jax.random.key(1), (1, length), 3, lm.vocab_size, jnp.int32)
   best = math.inf
   for r in range(repeats + 1):
-    rows = fresh_rows(lm, 1, length)
+    rows = Rows.empty(lm.model.cfg, 1, length)
     jax.block_until_ready(rows)
     t0 = time.perf_counter()
     for start in range(0, length, piece):

@@ -16,7 +16,6 @@ import numpy as np
 
 from moejax.inference.engine import Rows, bucket, cache_length, grow_cache
 from moejax.inference.sampling import Sampling
-from moejax.model import init_cache
 
 
 @dataclasses.dataclass
@@ -136,11 +135,7 @@ class Conversation:
     """Caches with room for `need` positions a row: made on the first turn, grown on a later one."""
     length = min(bucket(need, 16), self.lm.cache_len)
     if self._rows is None:
-      B = self._rows_padded
-      self._rows = Rows(cache=init_cache(self.lm.model.cfg, B, length),
-                        logits_BV=jnp.zeros((B, self.lm.vocab_size), jnp.float32),
-                        done_B=jnp.ones((B,), bool), drawn_B=jnp.zeros((B,), jnp.int32),
-                        limit_B=jnp.zeros((B,), jnp.int32))
+      self._rows = Rows.empty(self.lm.model.cfg, self._rows_padded, length)
     elif cache_length(self._rows.cache) < length:
       self._rows = self._rows._replace(cache=grow_cache(self._rows.cache, length))
 

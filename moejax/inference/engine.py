@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.inference.sampling import Sampling, sample
-from moejax.model import Transformer
+from moejax.model import Transformer, init_cache
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -37,6 +37,12 @@ class Rows(NamedTuple):
   done_B: jax.Array
   drawn_B: jax.Array
   limit_B: jax.Array
+
+  @classmethod
+  def empty(cls, cfg_model, batch: int, length: int) -> "Rows":
+    """Rows with empty caches of `length` positions, all done, nothing drawn."""
+    return cls(init_cache(cfg_model, batch, length), jnp.zeros((batch, cfg_model.vocab_size), jnp.float32),
+               jnp.ones((batch,), bool), jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32))
 
 
 def grow_cache(cache: dict, length: int) -> dict:
@@ -64,6 +70,11 @@ def _last_logits(model: Transformer, variables, h_BTD, lengths_B):
 
 
 def prefill_piece(model: Transformer, variables, rows: Rows, tokens_BT, lengths_B) -> Rows:
+  """The prefill program: `append` (a function of its own, so that the programs can be counted)."""
+  return append(model, variables, rows, tokens_BT, lengths_B)
+
+
+def append(model: Transformer, variables, rows: Rows, tokens_BT, lengths_B) -> Rows:
   """Appends each row's first lengths_B[b] tokens of tokens_BT to its caches; a row that took any gets
   the logits after its last one. Rows that take none are left as they were."""
   h_BTD, cache = model.apply(variables, tokens_BT, cache=rows.cache, lengths_B=lengths_B)
@@ -85,12 +96,9 @@ def decode_block(model: Transformer, variables, rows: Rows, keys_B, eos_id, *, s
   """
   B = rows.done_B.shape[0]
 
-  def feed(args):
+  def feed(args):  # a one-token prefill of the rows that go on
     rows, tokens_B, fed_B = args
-    n_B = fed_B.astype(jnp.int32)
-    h_B1D, cache = model.apply(variables, tokens_B[:, None], cache=rows.cache, lengths_B=n_B)
-    logits_BV = _last_logits(model, variables, h_B1D, n_B)
-    return rows._replace(cache=cache, logits_BV=jnp.where(fed_B[:, None], logits_BV, rows.logits_BV))
+    return append(model, variables, rows, tokens_B[:, None], fed_B.astype(jnp.int32))
 
   def body(carry):
     i, rows, out_tokens, out_logp, out_taken = carry
