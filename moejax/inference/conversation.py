@@ -34,8 +34,9 @@ class Conversation:
   caches and generates its reply. `lm` is a `moejax.inference.LanguageModel`.
 
   The first turn's tokens are the prompts (each non-empty). A later turn's may be empty for a row,
-  which then continues where its last reply stopped. Each row may hold at most `lm.cache_len` tokens
-  in all; the caches grow (in powers of two) as the turns need.
+  which then continues where its last reply stopped. A row left out of a turn (`active`) is fed nothing,
+  draws nothing and keeps its state for a later turn. Each row may hold at most `lm.cache_len`
+  tokens in all; the caches grow (in powers of two) as the turns need.
   """
 
   def __init__(self, lm, batch: int, *, seed: int = 0):
@@ -52,14 +53,17 @@ class Conversation:
 
   def turn(self, new_tokens: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
+           active: list[bool] | None = None,
            on_tokens: Callable[[list[list[int]]], None] | None = None) -> GenerateOutput:
     """Feeds each row's new tokens, then draws up to max_new_tokens per row (stopping a row at eos_id).
 
+    active: which rows take this turn (default all); a row left out must have no new tokens, draws
+    none and gets finish reason "inactive".
     on_tokens: called with each row's tokens as they are drawn (a list per row, empty for a row that
     drew none), after every decode step; without it the whole turn decodes in one device loop.
     """
     steps = self.turn_steps(new_tokens, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                            top_p=top_p, eos_id=eos_id, stepwise=on_tokens is not None)
+                            top_p=top_p, eos_id=eos_id, active=active, stepwise=on_tokens is not None)
     while True:
       try:
         drawn = next(steps)
@@ -70,24 +74,43 @@ class Conversation:
 
   def turn_steps(self, new_tokens: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
+                 active: list[bool] | None = None,
                  stepwise: bool = True) -> Generator[list[list[int]], None, GenerateOutput]:
     """`turn` as a generator: checks its arguments and feeds the new tokens at once, then yields each
     row's newly drawn tokens after every decode step (`stepwise`) or once at the end, and returns
     the turn's `GenerateOutput`."""
     sampling = Sampling(temperature, top_k, top_p).checked(self.lm.vocab_size)
-    self._check(new_tokens, max_new_tokens, eos_id)
-    feeds = [self._unfed[b] + [int(t) for t in new_tokens[b]] for b in range(self.batch)]
-    need = max(n + len(f) + max_new_tokens for n, f in zip(self.lengths, feeds, strict=True))
+    active = self._active(active, new_tokens)
+    self._check(new_tokens, max_new_tokens, eos_id, active)
+    feeds = [self._unfed[b] + [int(t) for t in new_tokens[b]] if active[b] else [] for b in range(self.batch)]
+    need = max(n + len(f) + max_new_tokens for n, f, a in zip(self.lengths, feeds, active, strict=True) if a)
     self._prepare(need)
     self._prefill(feeds)
     for b in range(self.batch):
-      self.lengths[b] += len(feeds[b])
-      self._unfed[b] = []
-    self._rows = self._rows._replace(done_B=jnp.arange(self._rows_padded) >= self.batch,
-                                     limit_B=self._rows.drawn_B + max_new_tokens)
-    return self._decode(sampling, max_new_tokens, eos_id, stepwise)
+      if active[b]:
+        self.lengths[b] += len(feeds[b])
+        self._unfed[b] = []
+    idle_B = np.ones((self._rows_padded,), bool)
+    idle_B[:self.batch] = ~np.asarray(active)
+    self._rows = self._rows._replace(done_B=jnp.asarray(idle_B), limit_B=self._rows.drawn_B + max_new_tokens)
+    return self._decode(sampling, max_new_tokens, eos_id, stepwise, active)
 
-  def _decode(self, sampling, max_new_tokens, eos_id, stepwise):
+  def _active(self, active, new_tokens) -> list[bool]:
+    if active is None:
+      return [True] * self.batch
+    active = [bool(a) for a in active]
+    if len(active) != self.batch:
+      raise ValueError(f"active names {len(active)} rows, the conversation has {self.batch}")
+    if not any(active):
+      raise ValueError("a turn needs at least one active row")
+    if self._rows is None and not all(active):
+      raise ValueError("every row takes the first turn: it holds the prompts")
+    for b, a in enumerate(active):
+      if not a and isinstance(new_tokens, (list, tuple)) and b < len(new_tokens) and len(new_tokens[b]):
+        raise ValueError(f"row {b} is left out of the turn but is given {len(new_tokens[b])} new tokens")
+    return active
+
+  def _decode(self, sampling, max_new_tokens, eos_id, stepwise, active):
     tokens, logprobs = [[] for _ in range(self.batch)], [[] for _ in range(self.batch)]
     steps = 1 if stepwise else bucket(max_new_tokens)
     eos = -1 if eos_id is None else int(eos_id)
@@ -104,12 +127,14 @@ class Conversation:
       if bool(np.all(np.asarray(self._rows.done_B))):
         break
     for b in range(self.batch):
-      self.lengths[b] -= 1
-      self._unfed[b] = tokens[b][-1:]
-    reasons = ["eos" if eos_id is not None and row and row[-1] == eos_id else "length" for row in tokens]
+      if active[b]:
+        self.lengths[b] -= 1
+        self._unfed[b] = tokens[b][-1:]
+    reasons = ["inactive" if not a else "eos" if eos_id is not None and row and row[-1] == eos_id else "length"
+               for row, a in zip(tokens, active, strict=True)]
     return GenerateOutput(tokens, logprobs, reasons)
 
-  def _check(self, new_tokens, max_new_tokens, eos_id) -> None:
+  def _check(self, new_tokens, max_new_tokens, eos_id, active) -> None:
     lm = self.lm
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -126,7 +151,7 @@ class Conversation:
       if bad:
         raise ValueError(f"prompt {b} holds token ids outside the vocabulary [0, {lm.vocab_size}): {bad[:5]}")
       total = self.lengths[b] + len(self._unfed[b]) + len(row) + max_new_tokens
-      if total > lm.cache_len:
+      if active[b] and total > lm.cache_len:
         raise ValueError(f"row {b}: {self.lengths[b] + len(self._unfed[b])} tokens held, {len(row)} new and "
                          f"max_new_tokens={max_new_tokens} make {total}, beyond the cache's "
                          f"{lm.cache_len} positions (inference.cache_len; load_model(..., cache_len=N))")

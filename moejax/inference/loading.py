@@ -64,6 +64,13 @@ class LanguageModel:
     self._forward = jax.jit(lambda v, t: self.model.apply(
         v, self.model.apply(v, t)[0], method=Transformer.logits))
 
+  def load_weights(self, variables: dict) -> None:
+    """Generates from `variables` ({"params", "balance"}, as training holds them) from now on, cast as
+    `from_variables` casts them: the compiled programs take the weights as arguments and stay."""
+    variables = {k: nn.unbox(variables[k]) for k in ("params", "balance") if k in variables}
+    variables["params"] = inference_params(variables["params"], jnp.dtype(self.config.model.dtype))
+    self.variables = self.engine.variables = variables
+
   @property
   def vocab_size(self) -> int:
     return int(self.config.model.vocab_size)
@@ -140,16 +147,31 @@ def load_model(workdir: str, step: int | None = None, *, cache_len: int | None =
   workdir = resolve_workdir(workdir)
   config = read_config(workdir)
   directory = os.path.join(workdir, "checkpoints")
+  step = checkpoint_step(directory, step)
+  restored = restore_variables(directory, build_model(config), step)
+  tokenizer_path = os.path.join(workdir, TOKENIZER_FILE)
+  tokenizer = TextTokenizer(tk.load_tokenizer(tokenizer_path))
+  return from_variables(config, restored, tokenizer, step=step, cache_len=cache_len)
+
+
+def checkpoint_step(directory: str, step: int | None = None) -> int:
+  """`step` if `directory` holds its checkpoint, the newest one's if step is None; else FileNotFoundError."""
   steps = sorted(int(p.name) for p in epath.Path(directory).iterdir() if p.name.isdigit()) \
       if os.path.isdir(directory) else []
   if not steps:
     raise FileNotFoundError(f"no checkpoint in {directory}: train until the first one is saved "
                             f"(train.checkpoint_every)")
   if step is None:
-    step = steps[-1]
-  elif step not in steps:
+    return steps[-1]
+  if step not in steps:
     raise FileNotFoundError(f"no checkpoint of step {step} in {directory}; there are {steps}")
-  model = build_model(config)
+  return step
+
+
+def restore_variables(directory: str, model: Transformer, step: int) -> dict:
+  """{"params", "balance"} of the checkpoint of `step` in `directory` (a training run's, or an RL run's:
+  both save the train state under "state"), as saved: no optimizer state is read."""
+  directory = resolve_workdir(directory)  # orbax refuses relative paths
   abstract = jax.eval_shape(lambda: init_variables(model, jax.random.key(0)))
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   on_device = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
@@ -157,6 +179,4 @@ def load_model(workdir: str, step: int | None = None, *, cache_len: int | None =
   with ocp.CheckpointManager(directory, item_handlers={"state": ocp.PyTreeCheckpointHandler()}) as manager:
     restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)))
-  tokenizer_path = os.path.join(workdir, TOKENIZER_FILE)
-  tokenizer = TextTokenizer(tk.load_tokenizer(tokenizer_path))
-  return from_variables(config, dict(restored["state"]), tokenizer, step=step, cache_len=cache_len)
+  return dict(restored["state"])
