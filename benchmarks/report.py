@@ -3,8 +3,10 @@ Also what the kernel benchmarks share around their tables: the command line and 
 
 import argparse
 import datetime
+import os
 import pathlib
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -25,12 +27,25 @@ def replace_section(path: str, title: str, body: str, level: int = 2) -> None:
   p.write_text(text.rstrip("\n") + "\n")
 
 
+def commit() -> str:
+  """The checkout's commit (git, else $MOEJAX_COMMIT, for a copy of the tree without its .git), with
+  "+changes" where the tracked files differ from it; "unknown" without either."""
+  root = pathlib.Path(__file__).resolve().parent.parent
+  try:
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD"], check=False).returncode != 0
+    return head + ("+changes" if dirty else "")
+  except (OSError, subprocess.CalledProcessError):
+    return os.environ.get("MOEJAX_COMMIT", "unknown")
+
+
 def provenance(device_kind: str) -> list[str]:
   """A section's opening lines: the command that ran this script (as `python -m benchmarks.NAME ARGS`),
-  today's date and the device."""
+  today's date, the device and the commit."""
   module = f"benchmarks.{pathlib.Path(sys.argv[0]).stem}"
   return [f"Command: `python -m {' '.join([module, *sys.argv[1:]])}`  ",
-          f"Date: {datetime.date.today()}, device: {device_kind}.", ""]
+          f"Date: {datetime.date.today()}, device: {device_kind}, commit: {commit()}.", ""]
 
 
 def publish(out: str | None, title: str, lines: list[str]) -> None:
