@@ -96,7 +96,8 @@ def curve(args) -> None:
       f"{config.rl.grpo.iterations} GRPO iterations of {config.rl.grpo.groups} x {config.rl.grpo.group_size} "
       f"episodes. Held-out pass rate on {config.rl.eval.tasks} arithmetic tasks, one sample each at "
       f"temperature {config.rl.grpo.temperature} and one greedy. Whole run: {minutes:.1f} min.", "",
-      "| iteration | pass rate (sampled) | pass rate (greedy) | tool calls per episode |", "|---|---|---|---|"]
+      "| iteration | pass rate (sampled) | pass rate (greedy) | tool calls per episode |",
+      "|---|---|---|---|"]
   lines += [f"| {p['iteration']} | {p['sampled']:.3f} | {p['greedy']:.3f} | {p['tool_calls']:.2f} |"
             for p in points]
   target = "met" if gain >= 0.3 and minutes <= 20 else "NOT met"
@@ -171,7 +172,8 @@ def throughput(args) -> None:
   update_s = (time.perf_counter() - start) / repeats
   tokens = int(np.sum(np.asarray(arrays["segment_ids"]) > 0))
   lines = provenance(device) + [
-      f"Model `{'rl_tiny.py' if args.smoke else pathlib.Path(args.config).name}` (random weights, {config.model.dtype}); {batch} episodes of "
+      f"Model `{'rl_tiny.py' if args.smoke else pathlib.Path(args.config).name}` (random weights, "
+      f"{config.model.dtype}); {batch} episodes of "
       f"{len(transcripts[0]):,} tokens: a {prompt:,}-token prompt, then turns of a {reply}-token reply and a "
       f"{result:,}-token tool result.", "",
       "| part | seconds | tokens | tokens/s |", "|---|---|---|---|",

@@ -42,3 +42,21 @@ def test_quickstart_then_generate_notebooks_run(tmp_path):
   assert "step 6, vocabulary" in out.stdout, out.stdout
   assert "greedy tokens equal the argmax of the full forward pass" in out.stdout, out.stdout
   assert "the second turn equals one pass over the whole history" in out.stdout, out.stdout
+
+
+def test_rl_notebook_runs(tmp_path):
+  """The RL notebook runs a shortened rl_tiny run, plots it and plays a task before and after RL."""
+  cells = code_cells("rl.ipynb")
+  assert "MOEJAX_REPO" in cells[0], "the first code cell installs moejax where it is not importable"
+  assert cells[1].startswith("WORKDIR = "), "the second code cell sets WORKDIR and OVERRIDES"
+  overrides = {"rl.sft.steps": 12, "rl.sft.examples": 32, "rl.grpo.iterations": 2, "rl.grpo.groups": 2,
+               "rl.grpo.group_size": 2, "rl.eval.tasks": 2, "rl.eval.every": 2, "rl.checkpoint_every": 1}
+  cells[1] = f"WORKDIR = {str(tmp_path / 'rl')!r}\nOVERRIDES = {overrides!r}"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
+  env.pop("JAX_NUM_CPU_DEVICES", None)
+  out = subprocess.run([sys.executable, "-c", "\n\n".join(cells)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=1200)
+  assert out.returncode == 0, out.stderr[-4000:]
+  assert re.search(r"pass rate after SFT \d\.\d{3}, after 2 iterations \d\.\d{3}", out.stdout), out.stdout
+  assert "--- after SFT (step 12)" in out.stdout and "--- after RL (step 14)" in out.stdout, out.stdout
+  assert out.stdout.count("Task: ") == 2, out.stdout

@@ -18,22 +18,26 @@ PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 
 
-def _empty_byte_level() -> Tokenizer:
+def _empty_byte_level(individual_digits: bool = False) -> Tokenizer:
   tok = Tokenizer(models.BPE())
   # No prefix space: it would add a character the decoder cannot tell from real text.
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.pre_tokenizer = byte_level if not individual_digits else pre_tokenizers.Sequence(
+      [pre_tokenizers.Digits(individual_digits=True), byte_level])
   tok.decoder = decoders.ByteLevel()
   return tok
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+def train_tokenizer(texts: Iterable[str], vocab_size: int, *, individual_digits: bool = False) -> Tokenizer:
   """Trains a byte-level BPE of at most `vocab_size` entries (fewer if the text runs out of
-  pairs to merge). Training is deterministic for a given text stream."""
+  pairs to merge). Training is deterministic for a given text stream. individual_digits: every digit
+  is a token of its own, never merged (nor with a space before it), so that a number is spelt the same
+  ids wherever it stands: after a space in a sentence, after a '>' in a tool call."""
   if vocab_size < MIN_VOCAB_SIZE:
     raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs the 256 byte "
                      f"symbols plus {len(SPECIAL_TOKENS)} special tokens, so at least "
                      f"{MIN_VOCAB_SIZE}")
-  tok = _empty_byte_level()
+  tok = _empty_byte_level(individual_digits)
   trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                 show_progress=False)

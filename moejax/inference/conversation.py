@@ -130,7 +130,8 @@ class Conversation:
       if active[b]:
         self.lengths[b] -= 1
         self._unfed[b] = tokens[b][-1:]
-    reasons = ["inactive" if not a else "eos" if eos_id is not None and row and row[-1] == eos_id else "length"
+    ended = lambda row: eos_id is not None and row and row[-1] == eos_id
+    reasons = ["inactive" if not a else "eos" if ended(row) else "length"
                for row, a in zip(tokens, active, strict=True)]
     return GenerateOutput(tokens, logprobs, reasons)
 

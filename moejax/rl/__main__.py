@@ -23,8 +23,9 @@ def main(argv, config_flag, workdir_flag, init_flag, verbose_flag):
   if config_flag.value is None or workdir_flag.value is None:
     raise app.UsageError("give --config (an experiment file with an rl section) and --workdir")
   row = run(config_flag.value, workdir_flag.value, init=init_flag.value)
-  logging.getLogger("moejax.rl").info("done: %s", {k: round(v, 4) for k, v in row.items()
-                                                   if isinstance(v, float) and "/" in k or k.startswith("reward")})
+  shown = {k: round(v, 4) for k, v in row.items()
+           if isinstance(v, float) and ("pass_rate" in k or k.startswith("reward"))}
+  logging.getLogger("moejax.rl").info("done: %s", shown)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,9 @@ def group_advantages(rewards_GN, *, scale: str = "std"):
   if scale == "none":
     return centred
   n = r.shape[1]
-  std = jnp.sqrt(jnp.sum(centred ** 2, axis=1, keepdims=True) / (n - 1)) if n > 1 else jnp.zeros_like(r[:, :1])
+  if n == 1:
+    return jnp.zeros_like(r)
+  std = jnp.sqrt(jnp.sum(centred ** 2, axis=1, keepdims=True) / (n - 1))
   return centred / (std + EPS)
 
 

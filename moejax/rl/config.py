@@ -19,7 +19,7 @@ def rl_config() -> ml_collections.ConfigDict:
   r.seed = 0
   r.tasks = ("arithmetic",)  # drawn uniformly, each episode one task
   r.tools = TOOL_NAMES
-  r.arithmetic_digits = (3, 4)  # factor widths of the arithmetic task
+  r.arithmetic_digits = (2, 3)  # widths of the arithmetic task's numbers
   r.tokenizer_vocab = 512  # a tokenizer trained on the SFT transcripts, where no --init run gives one
   r.max_turns = 4  # replies per episode
   r.max_turn_tokens = 48  # tokens per reply
@@ -77,7 +77,8 @@ def validate_rl(config) -> ml_collections.ConfigDict:
     if not cond:
       raise ConfigError(msg)
 
-  need(len(r.tasks) > 0 and set(r.tasks) <= set(TASK_KINDS), f"rl.tasks={r.tasks!r}: choose from {TASK_KINDS}")
+  need(len(r.tasks) > 0 and set(r.tasks) <= set(TASK_KINDS),
+       f"rl.tasks={r.tasks!r}: choose from {TASK_KINDS}")
   need(set(r.tools) <= set(TOOL_NAMES), f"rl.tools={r.tools!r}: choose from {TOOL_NAMES}")
   need(r.max_turns >= 1 and r.max_turn_tokens >= 1 and r.episode_tokens >= 2,
        "rl.max_turns, rl.max_turn_tokens and rl.episode_tokens must be positive")
@@ -89,7 +90,8 @@ def validate_rl(config) -> ml_collections.ConfigDict:
   need(0.0 <= s.direct_fraction <= 1.0, f"rl.sft.direct_fraction={s.direct_fraction} must lie in [0, 1]")
   need(g.iterations >= 0 and g.groups >= 1 and g.group_size >= 2,
        "rl.grpo: iterations >= 0, groups >= 1 and group_size >= 2 (advantages compare samples in a group)")
-  need(g.temperature > 0, f"rl.grpo.temperature={g.temperature} must be > 0: the ratio needs a sampling policy")
+  need(g.temperature > 0,
+       f"rl.grpo.temperature={g.temperature} must be > 0: the ratio needs a sampling policy")
   need(0 <= g.clip_low < 1 and g.clip_high >= 0, "rl.grpo: need 0 <= clip_low < 1 and clip_high >= 0")
   need(g.kl_coef >= 0, "rl.grpo.kl_coef must be >= 0")
   need(g.aggregation in AGGREGATIONS, f"rl.grpo.aggregation={g.aggregation!r} not in {AGGREGATIONS}")

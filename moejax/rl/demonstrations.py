@@ -79,6 +79,8 @@ def tokenize_demonstration(tokenizer: TextTokenizer, task, replies) -> Transcrip
 
 def train_rl_tokenizer(rl_cfg, demonstrations) -> TextTokenizer:
   """A byte-level BPE (moejax.data.tokenizer) of rl.tokenizer_vocab ids trained on the demonstrations'
-  text, for a run that starts from fresh weights."""
-  texts = [task_prompt(task) + "".join(r + (res or "") for r, res in replies) for task, replies in demonstrations]
-  return TextTokenizer(tk.train_tokenizer(texts, int(rl_cfg.tokenizer_vocab)))
+  text, for a run that starts from fresh weights; digits are tokens of their own, so that copying a
+  number from the task into a tool call, or from a result into the answer, copies the same ids."""
+  texts = [task_prompt(task) + "".join(reply + (result or "") for reply, result in replies)
+           for task, replies in demonstrations]
+  return TextTokenizer(tk.train_tokenizer(texts, int(rl_cfg.tokenizer_vocab), individual_digits=True))

@@ -61,8 +61,7 @@ def grpo_loss(logp_BT, old_logp_BT, advantages_B, mask_BT, *, clip_low: float = 
     raise ValueError(f"logp {logp_BT.shape}, old_logp {old_logp_BT.shape} and mask {mask_BT.shape} differ")
   if jnp.shape(advantages_B) != logp_BT.shape[:1]:
     raise ValueError(f"advantages {jnp.shape(advantages_B)} do not match batch {logp_BT.shape[:1]}")
+  ref = None if ref_logp_BT is None else jax.lax.stop_gradient(ref_logp_BT)
   loss_BT, _, _ = per_token_terms(logp_BT, jax.lax.stop_gradient(old_logp_BT), advantages_B,
-                                  clip_low=clip_low, clip_high=clip_high,
-                                  ref_logp_BT=None if ref_logp_BT is None else jax.lax.stop_gradient(ref_logp_BT),
-                                  kl_coef=kl_coef)
+                                  clip_low=clip_low, clip_high=clip_high, ref_logp_BT=ref, kl_coef=kl_coef)
   return weighted_mean(loss_BT, aggregation_weights(mask_BT, aggregation))

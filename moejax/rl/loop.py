@@ -159,7 +159,8 @@ class Trainer:
         pick = order[m * per:(m + 1) * per]
         if not batch["policy_mask"][pick].any():
           continue  # empty rows only: a step would move the weights by momentum and decay alone
-        self.state, step_metrics = self.step_fn(self.state, {k: jnp.asarray(v[pick]) for k, v in batch.items()})
+        rows_batch = {k: jnp.asarray(v[pick]) for k, v in batch.items()}
+        self.state, step_metrics = self.step_fn(self.state, rows_batch)
         rows_metrics.append(to_row({k: v for k, v in step_metrics.items() if np.ndim(v) == 0}))
         rows_done += int(batch["segment_ids"][pick].astype(bool).sum())
     jax.block_until_ready(self.state.params)
@@ -203,7 +204,8 @@ def run(config, workdir: str, init: str | None = None) -> dict:
       sft_state, sft_optimizer = _fresh_state(model, sft_cfg, rl.seed, sft_steps, variables)
       sft_state = run_sft(model, config, tokenizer, sft_state, sft_optimizer, monitor)
       params = sft_state.params
-      state = state.replace(params=params, balance=sft_state.balance, opt_state=jax.jit(optimizer.init)(params))
+      state = state.replace(params=params, balance=sft_state.balance,
+                            opt_state=jax.jit(optimizer.init)(params))
       reference = params if g.kl_coef > 0 else None
     loop = {"iteration": 0, "next_group": 0, "paused": []}
     trainer = Trainer(model, config, tokenizer, state, optimizer, reference)

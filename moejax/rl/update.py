@@ -59,14 +59,16 @@ def collect(trainer, paused: list[Episode], next_group: int, iteration: int) -> 
     rng = np.random.default_rng([rl.seed, 4, iteration, r])
     for _ in range(max(0, int(g.groups) - len(kept) // size - in_flight)):
       task = demos.draw_task(rl, rng)
-      pending += [new_episode(task, next_group, trainer.lm.tokenizer, trainer.make_env()) for _ in range(size)]
+      pending += [new_episode(task, next_group, trainer.lm.tokenizer, trainer.make_env())
+                  for _ in range(size)]
       next_group += 1
     budget = int(g.rollout_tokens)
     if not pending or (budget and spent >= budget):
       break
-    stats = play(trainer.lm, pending, trainer.make_env, version=iteration, seed=_seed(rl.seed, 5, iteration, r),
-                 temperature=float(g.temperature), max_turn_tokens=int(rl.max_turn_tokens),
-                 episode_tokens=int(rl.episode_tokens), token_budget=budget - spent if budget else 0)
+    stats = play(trainer.lm, pending, trainer.make_env, version=iteration,
+                 seed=_seed(rl.seed, 5, iteration, r), temperature=float(g.temperature),
+                 max_turn_tokens=int(rl.max_turn_tokens), episode_tokens=int(rl.episode_tokens),
+                 token_budget=budget - spent if budget else 0)
     spent += stats.sampled_tokens
     m["rollout_sampled_tokens"] += stats.sampled_tokens
     m["rollout_fed_tokens"] += stats.fed_tokens

@@ -102,6 +102,28 @@ def test_tokenizer_round_trip(text_corpus, text):
   assert tk.decode(tok, ids) == text
 
 
+@pytest.fixture(scope="module")
+def digit_tokenizer(tmp_path_factory):
+  texts = [f"Compute {a}*{b}. <tool>{a}*{b}</tool> Answer: {a * b}"
+           for a in range(10, 99, 7) for b in range(3, 999, 37)]
+  tok = tk.train_tokenizer(texts, 400, individual_digits=True)
+  path = str(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+  tk.save_tokenizer(tok, path)
+  return tk.load_tokenizer(path)  # the setting survives the file
+
+
+@hypothesis.settings(max_examples=30, deadline=None)
+@hypothesis.given(st.text(max_size=200), st.integers(0, 10**12))
+def test_individual_digits_are_one_token_each_wherever_they_stand(digit_tokenizer, text, number):
+  tok = digit_tokenizer
+  (ids,) = tk.encode_documents(tok, [text])
+  assert tk.decode(tok, ids) == text
+  digits = [tok.token_to_id(d) for d in str(number)]
+  for context in (f" {number}.", f">{number}<", f"\n{number}", f"x{number}y"):
+    got = tok.encode(context).ids
+    assert any(got[i:i + len(digits)] == digits for i in range(len(got))), (context, got)
+
+
 def test_prepare_reuses_cache_and_notices_edits(text_corpus, tmp_path):
   cfg, manifest_path, texts = text_corpus
   before = os.stat(manifest_path)

@@ -16,7 +16,6 @@ from moejax.inference.loading import restore_variables
 from moejax.model import build_model
 from moejax.rl.loop import run
 
-
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -34,9 +33,10 @@ def small_rl_config(iterations: int):
   # Enough SFT for replies in the format, which end at eos: the episodes then take several turns.
   r.sft.update(examples=16, steps=40, batch=8, lr=1e-2, direct_fraction=0.0)
   # A budget of one token pauses every episode after its first turn; the length penalty gives the
-  # groups advantages whatever the rewards.
+  # groups advantages whatever the rewards
+  # groups; a KL term to a frozen reference, which checkpoints keep too.
   r.grpo.update(iterations=iterations, groups=2, group_size=2, minibatches=2, dynamic_sampling=False,
-                overlong_cache=100, rollout_tokens=1, max_staleness=1)
+                overlong_cache=100, rollout_tokens=1, max_staleness=1, kl_coef=0.05)
   r.eval.update(tasks=2, every=3)
   r.checkpoint_every, r.keep_checkpoints = 1, 5
   return c
@@ -63,6 +63,7 @@ def test_three_iterations_update_the_policy_and_resume_bit_exactly(tmp_path, mon
   for r in rows:
     if "logp_mismatch" in r:
       assert r["logp_mismatch"] < 1e-4  # float32 on CPU: the trainer's log-probabilities are the rollout's
+  assert any(r.get("kl", 0) > 0 for r in rows)  # the policy moved away from the reference
   sft_end, last = _params("straight", 40), _params("straight", 43)
   moved = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), sft_end, last)
   assert any(jax.tree.leaves(moved))
