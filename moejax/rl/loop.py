@@ -145,11 +145,11 @@ class Trainer:
     rows = int(g.groups) * int(g.group_size)
     batch = update_batch([e.transcript for e in episodes], advantages_of(episodes), version=iteration,
                          aggregation=g.aggregation, rows=rows)
-    start = time.perf_counter()
     metrics = to_row(self.mismatch_fn(self.state, {k: jnp.asarray(v) for k, v in batch.items()}))
     if self.reference is not None:
       ref_state = self.state.replace(params=self.reference)
       batch["ref_logp"] = np.asarray(self.reference_fn(ref_state, batch)["logp"])
+    start = time.perf_counter()  # the policy steps alone: update tokens/s
     per = rows // int(g.minibatches)
     rng = np.random.default_rng([self.rl.seed, 3, iteration])
     rows_done, rows_metrics = 0, []
