@@ -184,6 +184,9 @@ def main():
   os.environ["XLA_FLAGS"] = " ".join(xla_flags)
   import jax
 
+  if args.dump:  # a program found in the persistent compilation cache is not compiled, so not dumped
+    jax.config.update("jax_enable_compilation_cache", False)
+
   from tools.trace_parts import op_names
 
   config = plan_config(args)
