@@ -224,8 +224,8 @@ def test_publish_writes_the_section_with_its_provenance(tmp_path, monkeypatch, c
   monkeypatch.setattr(sys, "argv", ["/somewhere/benchmarks/situ_glu.py", "--out", "B.md"])
   lines = [*provenance("Some GPU"), "| a | b |"]
   assert lines[0] == "Command: `python -m benchmarks.situ_glu --out B.md`  "
-  assert re.fullmatch(r"Date: 20\d\d-\d\d-\d\d, device: Some GPU, commit: ([0-9a-f]{12}(\+changes)?|unknown)\.",
-                      lines[1]), lines[1]
+  stamp = r"Date: 20\d\d-\d\d-\d\d, device: Some GPU, commit: ([0-9a-f]{12}(\+changes)?|unknown)\."
+  assert re.fullmatch(stamp, lines[1]), lines[1]
   path = tmp_path / "B.md"
   path.write_text("# Benchmarks\n\n## T\n\nold\n\n## U\n\nu\n")
   publish(str(path), "T", lines)
