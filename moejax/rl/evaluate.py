@@ -1,6 +1,7 @@
 """Pass rates on held-out tasks: rl.eval.tasks of each kind of rl.tasks, the same tasks at every
-evaluation (drawn from a stream of their own, apart from the training tasks), each played once at the
-rollout temperature (a fixed seed) and once greedily."""
+evaluation, each played once at the rollout temperature (a fixed seed) and once greedily. They are drawn
+from a random stream of their own; a training task may equal one by chance (not checked: for the
+arithmetic of 2- and 3-digit numbers the tasks number in the millions)."""
 
 import numpy as np
 
