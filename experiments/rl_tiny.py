@@ -24,7 +24,8 @@ def get_config():
   c.model.layer_pattern = "KMKM"
   r = c.rl = rl_config()
   r.sft.examples, r.sft.steps = 800, 400
-  r.grpo.iterations, r.grpo.refill_rounds = 24, 1
-  r.eval.tasks, r.eval.every = 64, 4
-  r.checkpoint_every = 4
+  # At lr 1e-3 the held-out pass rate peaked after 12 iterations and fell back; 5e-4 kept rising.
+  r.grpo.iterations, r.grpo.refill_rounds, r.grpo.lr = 40, 1, 5e-4
+  r.eval.tasks, r.eval.every = 64, 8
+  r.checkpoint_every = 8
   return c
