@@ -34,7 +34,9 @@ def commit() -> str:
   try:
     head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
                           text=True, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD"], check=False).returncode != 0
+    # What benchmarks write (their sections, figures) is not a change to what they measure.
+    dirty = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD", "--", ".", ":!BENCHMARKS.md",
+                            ":!benchmarks/figures"], check=False).returncode != 0
     return head + ("+changes" if dirty else "")
   except (OSError, subprocess.CalledProcessError):
     return os.environ.get("MOEJAX_COMMIT", "unknown")
