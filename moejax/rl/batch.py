@@ -9,12 +9,7 @@ padded with empty rows to a fixed count: the step compiles once per length bucke
 import numpy as np
 
 from moejax.inference.engine import bucket
-
-
-def _aggregation_weights(mask_BT, aggregation: str):
-  if aggregation == "token-mean":
-    return mask_BT
-  return mask_BT / np.maximum(mask_BT.sum(axis=1, keepdims=True), 1.0)
+from moejax.rl.grpo import aggregation_weights
 
 
 def update_batch(transcripts, advantages, *, version: int, aggregation: str, rows: int | None = None,
@@ -47,7 +42,7 @@ def update_batch(transcripts, advantages, *, version: int, aggregation: str, row
     fresh[b, :m] = policy[b, :m] * (np.asarray(t.versions[1:]) == version)
     adv[b] = advantages[b]
   return {"tokens": tokens, "targets": targets, "segment_ids": segments, "policy_mask": policy,
-          "loss_mask": _aggregation_weights(policy, aggregation).astype(np.float32), "old_logp": old_logp,
+          "loss_mask": np.asarray(aggregation_weights(policy, aggregation), np.float32), "old_logp": old_logp,
           "fresh": fresh, "advantages": adv}
 
 
