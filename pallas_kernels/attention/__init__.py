@@ -1,4 +1,5 @@
-"""Causal attention within packed documents that visits only the tiles a document can reach."""
+"""Attention within packed documents, causal or bidirectional, that visits only the tiles a document
+can reach."""
 
 from pallas_kernels.attention.ops import IMPLEMENTATIONS, Blocks, document_attention
 from pallas_kernels.attention.reference import document_attention_reference

@@ -1,8 +1,10 @@
-"""document_attention: causal attention within packed documents, differentiable, on Pallas kernels.
+"""document_attention: attention within packed documents, causal (a language model's) or bidirectional
+(causal=False: a vision encoder's, over images packed into one row), differentiable, on Pallas kernels.
 
-    o_BTHV = document_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT, scale=D ** -0.5)
+    o_BTHV = document_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT, scale=D ** -0.5, causal=True)
 
-A document is a run of equal consecutive segment ids (so ids may repeat further on without joining).
+A document is a run of equal consecutive segment ids (so ids may repeat further on without joining);
+no query sees a key of another document in either mode.
 "pallas" runs the Triton-lowered kernels of kernel.py on a GPU, "interpret" the same kernels in Pallas
 interpret mode (any backend; how CI tests them), "xla" the dense reference (memory quadratic in T).
 """
@@ -49,13 +51,15 @@ class Blocks:
     return max(self.fwd_q, self.fwd_k, self.dq_q, self.dq_k, self.dkv_q, self.dkv_k)
 
 
-def document_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: float,
+def document_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: float, causal: bool = True,
                        implementation: str = "pallas", blocks: Blocks | None = None,
                        return_max_logit: bool = False):
-  """softmax(scale q k^T) v over the keys j <= i in query i's document; [B, T, H, V] in q's dtype.
+  """softmax(scale q k^T) v over the keys j <= i in query i's document (causal=False: every key of that
+  document); [B, T, H, V] in q's dtype.
 
   segment_ids_BT None means one document per row. Work and memory grow with T times the document
-  length (the whole causal triangle for a single document), never with T^2 tiles outside documents.
+  length (the whole causal triangle, or square, for a single document), never with T^2 tiles outside
+  documents.
   return_max_logit: also return, per head, the largest logit scale q.k over every visible pair of
   every row, float32 [H] without gradient (QK-clip's statistic); the kernels' online softmax has it.
   """
@@ -69,13 +73,15 @@ def document_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: fl
     raise ValueError(f"q, k, v must share a dtype; got {q_BTHD.dtype}, {k_BTHD.dtype}, {v_BTHV.dtype}")
   if not jnp.issubdtype(q_BTHD.dtype, jnp.floating):
     raise ValueError(f"q, k, v must be floating point, got {q_BTHD.dtype}")
+  if not isinstance(causal, bool):
+    raise ValueError(f"causal must be a Python bool (it is static), got {causal!r}")
   B, T, H, _ = q_BTHD.shape
   if segment_ids_BT is not None:
     if tuple(segment_ids_BT.shape) != (B, T) or not jnp.issubdtype(segment_ids_BT.dtype, jnp.integer):
       raise ValueError(f"segment_ids must be an integer [B,T]=({B}, {T}) array, got "
                        f"{segment_ids_BT.dtype}{tuple(segment_ids_BT.shape)}")
   if implementation == "xla":
-    return document_attention_reference(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT, scale=scale,
+    return document_attention_reference(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT, scale=scale, causal=causal,
                                         return_max_logit=return_max_logit)
   if implementation == "pallas":
     require_gpu("document_attention", "'interpret' (Pallas interpret mode) or 'xla'")
@@ -85,8 +91,8 @@ def document_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: fl
 
   doc_BT = jnp.zeros((B, T), jnp.int32) if segment_ids_BT is None else document_ids(segment_ids_BT)
   pad = -T % blocks.multiple
-  # Padding is one more document at the end of the row: causality already hides it from real
-  # queries, and its own id keeps it out of the last document's key and query spans.
+  # Padding is one more document at the end of the row: its own id hides it from real queries in either
+  # mode and keeps it out of the last document's key and query spans.
   doc_BT = jnp.concatenate([doc_BT, jnp.broadcast_to(doc_BT[:, -1:] + 1, (B, pad))], axis=1)
 
   def to_rows(x_BTHW):
@@ -96,7 +102,7 @@ def document_attention(q_BTHD, k_BTHD, v_BTHV, segment_ids_BT=None, *, scale: fl
     x_BTHW = jnp.pad(x_BTHW, ((0, 0), (0, pad), (0, 0), (0, width - x_BTHW.shape[-1])))
     return x_BTHW.transpose(0, 2, 1, 3).reshape(B * H, T + pad, width)
 
-  st = _Static(H, blocks, float(scale), implementation == "interpret")
+  st = _Static(H, blocks, float(scale), causal, implementation == "interpret")
   o, row_max = _attention_jit(st, to_rows(q_BTHD), to_rows(k_BTHD), to_rows(v_BTHV), doc_BT)
   o_BTHV = o.reshape(B, H, T + pad, -1).transpose(0, 2, 1, 3)[:, :T, :, :v_BTHV.shape[-1]]
   if not return_max_logit:
@@ -111,6 +117,7 @@ class _Static:
   heads: int
   blocks: Blocks
   scale: float
+  causal: bool
   interpret: bool
 
 
@@ -133,9 +140,9 @@ def _attention(st: _Static, q, k, v, doc):
 
 
 def _forward(st, q, k, v, doc):
-  start, _ = _spans(doc)
-  return kernel.forward(q, k, v, doc, start, heads=st.heads, blocks=st.blocks, scale=st.scale,
-                        interpret=st.interpret)
+  start, end = _spans(doc)
+  return kernel.forward(q, k, v, doc, start, None if st.causal else end, causal=st.causal, heads=st.heads,
+                        blocks=st.blocks, scale=st.scale, interpret=st.interpret)
 
 
 def _attention_fwd(st, q, k, v, doc):
@@ -149,8 +156,8 @@ def _attention_bwd(st, res, cts):
   do = do.astype(o.dtype)
   delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
   start, end = _spans(doc)
-  dq, dk, dv = kernel.backward(q, k, v, do, lse, delta, doc, start, end, heads=st.heads, blocks=st.blocks,
-                               scale=st.scale, interpret=st.interpret)
+  dq, dk, dv = kernel.backward(q, k, v, do, lse, delta, doc, start, end, causal=st.causal, heads=st.heads,
+                               blocks=st.blocks, scale=st.scale, interpret=st.interpret)
   return dq, dk, dv, None
 
 
