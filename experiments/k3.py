@@ -45,4 +45,21 @@ def get_config():
   m.moe.latent_dim = 3584  # R: d/2
   m.moe.expert_hidden_dim = 3072  # R
   m.moe.routed_scaling = 2.5  # A; divided out by the latent RMSNorm but for its eps (config.py)
+
+  # Native vision input (R: a MoonViT-class encoder of about 400M parameters; 14 x 14 patches, 2 x 2
+  # merge). A: a SigLIP-so400m-shaped tower (width 1152, 27 blocks, MLP 4304, 16 heads) and a 64 x 64
+  # position table; the projector's hidden width is d_model.
+  c.data.image_token = True
+  c.data.images.source = "embedded"
+  c.data.images.patches_per_row = 16_384
+  v = m.vision
+  v.enabled = True
+  v.patch_size = 14  # R
+  v.merge = 2  # R
+  v.width = 1152  # A
+  v.depth = 27  # A
+  v.num_heads = 16  # A
+  v.mlp_dim = 4304  # A
+  v.position_grid = 64  # A
+  v.max_pixels = 1792 * 1792  # A: 16,384 patches
   return c

@@ -13,6 +13,7 @@ import ml_collections
 from moejax.data.config import default_data_config, validate_data_config
 from moejax.errors import ConfigError
 from moejax.layout import layer_layout
+from moejax.vision.config import default_image_data_config, default_vision_config, validate_vision
 
 MIXERS = ("kda", "mla")
 BALANCE_MODES = ("quantile", "sign", "aux", "none")
@@ -29,6 +30,7 @@ NS_IMPLEMENTATIONS = ("auto", "xla", "pallas", "interpret")  # moejax.training.m
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.data = default_data_config()
+  c.data.images = default_image_data_config()
 
   m = c.model = ml_collections.ConfigDict()
   # None: the tokenizer's, data.vocab_size (filled in by `validate`); or a larger size of its own, e.g.
@@ -129,6 +131,8 @@ def base_config() -> ml_collections.ConfigDict:
   # products on bf16 tensor cores, W_r as three exact bf16 parts; needs model.dtype bfloat16), or
   # "auto" (bf16x3 where the activations are bf16, else f32).
   e.router_matmul = "f32"
+
+  m.vision = default_vision_config()
 
   lo = m.loss = ml_collections.ConfigDict()
   lo.z_loss_weight = 0.0
@@ -346,6 +350,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"model.moe.token_chunk must be an integer >= 0 (0: no chunking), got {e.token_chunk!r}")
     need(e.latent_dim > 0 and e.expert_hidden_dim > 0, "model.moe latent/expert dims must be positive")
   validate_data_config(config.data)
+  validate_vision(config)
 
   o = config.optim
   need(o.name in ("adamw", "muon"), f"optim.name={o.name!r} must be 'adamw' or 'muon'")

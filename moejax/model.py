@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from moejax.config import validate
+from moejax.data.tokenizer import IMAGE_ID
 from moejax.layers.attnres import AttnResQuery, ResidualState, StackedResidualState
 from moejax.layers.ffn import SiTUGLU
 from moejax.layers.kda import KDA, init_kda_cache
@@ -24,6 +25,7 @@ from moejax.layers.packing import Appended, Packing
 from moejax.layout import SCANNED, LayerLayout, layer_kinds, layer_layout
 from moejax.moe.layer import MoE
 from moejax.nn import LAYERS_AXIS, MATMUL_NAME, RMSNorm, logical_param
+from moejax.vision.encoder import VisionEncoder, place_images
 
 # A block that never closes: with plain residuals the partial sum *is* the residual stream.
 _NEVER = 1 << 62
@@ -174,6 +176,9 @@ class Transformer(nn.Module):
     if cfg.attnres.mode == "attnres":
       self.final_attnres = AttnResQuery(cfg.norm_eps)
     self.final_norm = RMSNorm(cfg.norm_eps, jnp.dtype(cfg.dtype), pdtype)
+    if cfg.vision.enabled:
+      self.vision = VisionEncoder(cfg.vision, cfg.d_model, jnp.dtype(cfg.dtype), pdtype,
+                                  remat=cfg.remat != "none", scan=cfg.scan_layers)
 
   def embed(self, tokens_BT):
     """The token embeddings of integer tokens [B,T], [B,T,D] in the compute dtype. A caller that places
@@ -182,11 +187,22 @@ class Transformer(nn.Module):
       raise ValueError(f"tokens must be an integer [B,T] array, got {tokens_BT.dtype}{tokens_BT.shape}")
     return jnp.take(self.embedding, tokens_BT, axis=0).astype(jnp.dtype(self.cfg.dtype))
 
+  def embed_images(self, tokens_BT, images: dict):
+    """The embeddings of a row of text and images, [B,T,D]: each image placeholder (IMAGE_ID) takes the
+    place of the next of its row's image tokens from the vision tower (`images`: patches, ids, coords
+    as moejax.vision.batch describes)."""
+    if not self.cfg.vision.enabled:
+      raise ValueError("this model has no vision tower (model.vision.enabled is False): it takes no images")
+    image_tokens_BMD = self.vision(images["patches"], images["ids"], images["coords"])
+    return place_images(self.embed(tokens_BT), tokens_BT, image_tokens_BMD, IMAGE_ID)
+
   def __call__(self, tokens_BT=None, segment_ids_BT=None, *, embeddings_BTD=None, cache=None,
-               lengths_B=None):
+               lengths_B=None, images=None):
     """(final normalised hidden states [B,T,D], cache).
 
     The row is `tokens_BT` [B,T] embedded, or `embeddings_BTD` [B,T,D] as given: one of the two.
+    images (with tokens_BT, a model with a vision tower): the row's images, whose tokens replace its
+    image placeholders (`embed_images`); the decoder then reads them causally, in order, as text.
     segment_ids_BT marks the documents packed into each row (None: one a row); the layers read them
     as one `Packing`, worked out here. cache: None (the rows start here; None comes back), or the
     mixers' decode caches (`init_cache`) that the rows continue, one document a row; the caches
@@ -195,8 +211,10 @@ class Transformer(nn.Module):
     """
     if (tokens_BT is None) == (embeddings_BTD is None):
       raise ValueError("Transformer takes either tokens_BT or embeddings_BTD, exactly one of them")
+    if images is not None and tokens_BT is None:
+      raise ValueError("images go with tokens_BT, whose image placeholders they fill")
     if embeddings_BTD is None:
-      x_BTD = self.embed(tokens_BT)
+      x_BTD = self.embed(tokens_BT) if images is None else self.embed_images(tokens_BT, images)
     else:
       if embeddings_BTD.ndim != 3 or embeddings_BTD.shape[-1] != self.cfg.d_model:
         raise ValueError(f"embeddings must be [B,T,D={self.cfg.d_model}], got {embeddings_BTD.shape}")
@@ -279,6 +297,19 @@ def init_variables(model: Transformer, rng: jax.Array, batch: int = 1, seq_len: 
   cfg = copy.deepcopy(model.cfg.as_configdict())  # as_configdict shares the caller's config
   cfg.kda.implementation, cfg.mla.attention, cfg.moe.grouped_matmul = "xla", "xla", "xla"
   cfg.kda.conv_implementation, cfg.moe.balance_implementation = "xla", "xla"
+  cfg.vision.attention = "xla"
   plain = model.clone(cfg=ml_collections.FrozenConfigDict(cfg))
   tokens = jnp.zeros((batch, seq_len), jnp.int32)
-  return jax.jit(lambda r: plain.init(r, tokens, mutable=("params", "balance")))(rng)
+  images = dummy_images(cfg, batch) if cfg.vision.enabled else None
+  return jax.jit(lambda r: plain.init(r, tokens, images=images, mutable=("params", "balance")))(rng)
+
+
+def dummy_images(cfg, batch: int) -> dict:
+  """One image of a single merge block a row: the smallest `images` argument, for shapes and init."""
+  v = cfg.vision
+  group = v.merge * v.merge
+  rows, cols = jnp.divmod(jnp.arange(group, dtype=jnp.int32), v.merge)
+  coords = jnp.stack([rows, cols, jnp.full_like(rows, v.merge), jnp.full_like(rows, v.merge)], axis=1)
+  return {"patches": jnp.zeros((batch, group, v.patch_size * v.patch_size * 3), jnp.uint8),
+          "ids": jnp.ones((batch, group), jnp.int32),
+          "coords": jnp.broadcast_to(coords, (batch, group, 4))}

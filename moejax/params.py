@@ -18,7 +18,7 @@ from absl import app
 from ml_collections import config_flags
 
 from moejax.layout import SCANNED
-from moejax.model import build_model
+from moejax.model import build_model, dummy_images
 from moejax.nn import layers_lead
 
 
@@ -29,6 +29,8 @@ def _component(path: tuple[str, ...]) -> str:
     names = names[1:]
   if names[0] in ("embedding", "head"):
     return names[0]
+  if names[0] == "vision":
+    return "vision projector" if names[1].startswith("projector") else "vision tower"
   if names[0].startswith("final"):
     return "final attnres + norm"
   role = names[1] if len(names) > 1 else names[0]
@@ -50,7 +52,8 @@ def count_params(config) -> dict:
   """Returns {"total", "active", "components": {name: (total, active)}} from abstract shapes."""
   model = build_model(config)
   tokens = jax.ShapeDtypeStruct((1, 16), jnp.int32)
-  abstract = jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)
+  images = dummy_images(config.model, 1) if config.model.vision.enabled else None
+  abstract = jax.eval_shape(lambda t: model.init(jax.random.key(0), t, images=images), tokens)
   moe = config.model.moe
   active_fraction = moe.top_k / moe.num_experts
   components: dict[str, list[int]] = {}

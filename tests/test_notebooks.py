@@ -60,3 +60,21 @@ def test_rl_notebook_runs(tmp_path):
   assert re.search(r"pass rate after SFT \d\.\d{3}, after 2 iterations \d\.\d{3}", out.stdout), out.stdout
   assert "--- after SFT (step 12)" in out.stdout and "--- after RL (step 14)" in out.stdout, out.stdout
   assert out.stdout.count("Task: ") == 2, out.stdout
+
+
+def test_vision_notebook_runs(tmp_path):
+  """The vision notebook trains a few steps of vision_tiny, shows what images become, and captions."""
+  cells = code_cells("vision.ipynb")
+  assert "MOEJAX_REPO" in cells[0], "the first code cell installs moejax where it is not importable"
+  assert cells[1].startswith("WORKDIR = "), "the second code cell sets WORKDIR and OVERRIDES"
+  overrides = {"train.stages": ((128, 4, 512),), "train.eval_every": 0}
+  cells[1] = f"WORKDIR = {str(tmp_path / 'vision')!r}\nOVERRIDES = {overrides!r}"
+  env = dict(os.environ, MOEJAX_CACHE_DIR=str(tmp_path / "cache"), JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
+  env.pop("JAX_NUM_CPU_DEVICES", None)
+  out = subprocess.run([sys.executable, "-c", "\n\n".join(cells)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=1200)
+  assert out.returncode == 0, out.stderr[-4000:]
+  assert "trained to step 4" in out.stdout, out.stdout
+  assert re.search(r"digits: 16x16 pixels -> 4x4 patches of 4x4 -> 4 decoder tokens", out.stdout), out.stdout
+  assert re.search(r"digits accuracy \d\.\d{3} over 24, shapes accuracy \d\.\d{3} over 24", out.stdout), \
+      out.stdout

@@ -28,6 +28,8 @@ def default_data_config() -> ml_collections.ConfigDict:
   c.text_field = "text"  # the JSONL key holding the document text
   c.cache_dir = default_cache_dir()
   c.vocab_size = 1024  # byte-level BPE size, special tokens included
+  # Reserve the image placeholder <|image|> as token 3 (moejax.data.tokenizer): runs with model.vision.
+  c.image_token = False
   # Caps on what is read, in the sorted file order: 0 means no cap. The default keeps the
   # embedded stdlib corpus at about 4 MB so it builds in seconds on two cores.
   c.max_files = 0
@@ -52,6 +54,7 @@ def validate_data_config(c) -> None:
   need(c.format in FORMATS, f"data.format={c.format!r} not in {FORMATS}")
   need(not (c.source == "stdlib" and c.format != "text"),
        "data.source='stdlib' reads Python files, so data.format must be 'text'")
+  need(isinstance(c.image_token, bool), f"data.image_token must be True or False, got {c.image_token!r}")
   need(isinstance(c.text_field, str) and c.text_field != "", "data.text_field must be a non-empty string")
   for name in ("max_files", "max_bytes", "tokenizer_train_bytes", "shuffle_buffer", "read_threads",
                "num_workers"):

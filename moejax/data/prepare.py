@@ -47,7 +47,7 @@ SHARD_BYTES = 256 << 20
 _ENCODE_BATCH = 256  # documents per encode_batch call: enough to keep the Rust threads busy
 
 _SETTINGS = ("source", "format", "text_field", "vocab_size", "max_files", "max_bytes",
-             "tokenizer_train_bytes", "valid_fraction")
+             "tokenizer_train_bytes", "valid_fraction", "image_token")
 
 
 def prepare(data_cfg, out_dir: str | None = None) -> str:
@@ -206,7 +206,7 @@ def _build(corpus: Corpus, cfg, settings: dict, fingerprint: str, out_dir: str) 
         if cfg.tokenizer_train_bytes and seen >= cfg.tokenizer_train_bytes:
           return
 
-  tok = tk.train_tokenizer(train_texts(), int(cfg.vocab_size))
+  tok = tk.train_tokenizer(train_texts(), int(cfg.vocab_size), image_token=bool(cfg.image_token))
   tk.save_tokenizer(tok, os.path.join(out_dir, TOKENIZER))
   dtype = tk.token_dtype(tok.get_vocab_size())
 
@@ -276,7 +276,10 @@ def _parse_args(argv=None) -> tuple[argparse.Namespace, dict]:
                  help="output folder (default: <cache_dir>/<source name>-<fingerprint>)")
   for name in (*_SETTINGS, "cache_dir"):
     default = defaults[name]
-    p.add_argument(f"--{name}", type=type(default), default=default, help=f"default: {default!r}")
+    if isinstance(default, bool):
+      p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default)
+    else:
+      p.add_argument(f"--{name}", type=type(default), default=default, help=f"default: {default!r}")
   args = p.parse_args(argv)
   return args, {name: getattr(args, name) for name in (*_SETTINGS, "cache_dir")}
 

@@ -12,10 +12,10 @@ from collections.abc import Iterable
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+PAD, BOS, EOS, IMAGE = "<|pad|>", "<|bos|>", "<|eos|>", "<|image|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)
-PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
-MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+PAD_ID, BOS_ID, EOS_ID, IMAGE_ID = 0, 1, 2, 3
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS) + 1  # room for IMAGE too
 
 
 def _empty_byte_level(individual_digits: bool = False) -> Tokenizer:
@@ -28,17 +28,20 @@ def _empty_byte_level(individual_digits: bool = False) -> Tokenizer:
   return tok
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, *, individual_digits: bool = False) -> Tokenizer:
+def train_tokenizer(texts: Iterable[str], vocab_size: int, *, individual_digits: bool = False,
+                    image_token: bool = False) -> Tokenizer:
   """Trains a byte-level BPE of at most `vocab_size` entries (fewer if the text runs out of
   pairs to merge). Training is deterministic for a given text stream. individual_digits: every digit
   is a token of its own, never merged (nor with a space before it), so that a number is spelt the same
-  ids wherever it stands: after a space in a sentence, after a '>' in a tool call."""
+  ids wherever it stands: after a space in a sentence, after a '>' in a tool call. image_token: reserve
+  IMAGE at IMAGE_ID, the image placeholder of vision runs."""
   if vocab_size < MIN_VOCAB_SIZE:
     raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs the 256 byte "
                      f"symbols plus {len(SPECIAL_TOKENS)} special tokens, so at least "
                      f"{MIN_VOCAB_SIZE}")
   tok = _empty_byte_level(individual_digits)
-  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+  specials = list(SPECIAL_TOKENS) + ([IMAGE] if image_token else [])
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                 show_progress=False)
   tok.train_from_iterator(texts, trainer=trainer)
@@ -59,6 +62,14 @@ def check_special_ids(tok: Tokenizer) -> None:
     if got != want:
       raise ValueError(f"tokenizer maps special token {name!r} to {got}, expected {want}: "
                        f"it was not built by moejax.data.tokenizer")
+  got = tok.token_to_id(IMAGE)
+  if got is not None and got != IMAGE_ID:
+    raise ValueError(f"tokenizer maps {IMAGE!r} to {got}, expected {IMAGE_ID}")
+
+
+def has_image_token(tok: Tokenizer) -> bool:
+  """Whether the tokenizer reserves the image placeholder (trained with image_token=True)."""
+  return tok.token_to_id(IMAGE) == IMAGE_ID
 
 
 def save_tokenizer(tok: Tokenizer, path: str) -> None:

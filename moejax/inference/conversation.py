@@ -16,6 +16,8 @@ import numpy as np
 
 from moejax.inference.engine import Rows, bucket, cache_length, grow_cache
 from moejax.inference.sampling import Sampling
+from moejax.vision.batch import pack_images
+from moejax.vision.prompts import expand_placeholders
 
 
 @dataclasses.dataclass
@@ -53,17 +55,20 @@ class Conversation:
 
   def turn(self, new_tokens: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
-           active: list[bool] | None = None,
+           active: list[bool] | None = None, images: list[list] | None = None,
            on_tokens: Callable[[list[list[int]]], None] | None = None) -> GenerateOutput:
     """Feeds each row's new tokens, then draws up to max_new_tokens per row (stopping a row at eos_id).
 
     active: which rows take this turn (default all); a row left out must have no new tokens, draws
     none and gets finish reason "inactive".
+    images: per row, the images (RGB uint8 [H, W, 3] arrays) of its new tokens, one per IMAGE placeholder
+    there, in order (a model with a vision tower); each placeholder becomes its image's tokens.
     on_tokens: called with each row's tokens as they are drawn (a list per row, empty for a row that
     drew none), after every decode step; without it the whole turn decodes in one device loop.
     """
     steps = self.turn_steps(new_tokens, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                            top_p=top_p, eos_id=eos_id, active=active, stepwise=on_tokens is not None)
+                            top_p=top_p, eos_id=eos_id, active=active, images=images,
+                            stepwise=on_tokens is not None)
     while True:
       try:
         drawn = next(steps)
@@ -74,18 +79,25 @@ class Conversation:
 
   def turn_steps(self, new_tokens: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
-                 active: list[bool] | None = None,
+                 active: list[bool] | None = None, images: list[list] | None = None,
                  stepwise: bool = True) -> Generator[list[list[int]], None, GenerateOutput]:
     """`turn` as a generator: checks its arguments and feeds the new tokens at once, then yields each
     row's newly drawn tokens after every decode step (`stepwise`) or once at the end, and returns
     the turn's `GenerateOutput`."""
     sampling = Sampling(temperature, top_k, top_p).checked(self.lm.vocab_size)
     active = self._active(active, new_tokens)
+    encoded = None
+    if images is not None:
+      if not isinstance(images, (list, tuple)) or len(images) != self.batch:
+        raise ValueError(f"images must be a list of image lists, one per row ({self.batch})")
+      expanded = [expand_placeholders(self.lm.config, list(new_tokens[b]), list(images[b] or []))
+                  for b in range(self.batch)]
+      new_tokens, encoded = [e[0] for e in expanded], [e[1] for e in expanded]
     self._check(new_tokens, max_new_tokens, eos_id, active)
     feeds = [self._unfed[b] + [int(t) for t in new_tokens[b]] if active[b] else [] for b in range(self.batch)]
     need = max(n + len(f) + max_new_tokens for n, f, a in zip(self.lengths, feeds, active, strict=True) if a)
     self._prepare(need)
-    self._prefill(feeds)
+    self._prefill(feeds, encoded)
     for b in range(self.batch):
       if active[b]:
         self.lengths[b] += len(feeds[b])
@@ -165,13 +177,18 @@ class Conversation:
     elif cache_length(self._rows.cache) < length:
       self._rows = self._rows._replace(cache=grow_cache(self._rows.cache, length))
 
-  def _prefill(self, feeds: list[list[int]]) -> None:
-    """Feeds the rows' tokens in pieces of one bucketed length (at most inference.prefill_chunk)."""
+  def _prefill(self, feeds: list[list[int]], encoded: list[list] | None = None) -> None:
+    """Feeds the rows' tokens in pieces of one bucketed length (at most inference.prefill_chunk). With
+    images (`encoded`: per row, (patches, coords) of each image of its feed, in order), the whole feed
+    is embedded first, its images in place, and the embeddings are fed in the same pieces."""
     longest = max(len(f) for f in feeds)
     if not longest:
       return
     piece = min(bucket(longest, 16), self.lm.prefill_chunk)
     B = self._rows_padded
+    if encoded is not None and any(encoded):
+      self._prefill_with_images(feeds, encoded, piece)
+      return
     for start in range(0, longest, piece):
       tokens = np.zeros((B, piece), np.int32)
       lengths = np.zeros((B,), np.int32)
@@ -181,11 +198,32 @@ class Conversation:
         lengths[b] = len(part)
       self._rows = self.lm.engine.prefill(self._rows, jnp.asarray(tokens), jnp.asarray(lengths))
 
+  def _prefill_with_images(self, feeds, encoded, piece: int) -> None:
+    v = self.lm.config.model.vision
+    B, longest = self._rows_padded, max(len(f) for f in feeds)
+    width = -(-longest // piece) * piece
+    tokens = np.zeros((B, width), np.int32)
+    for b, f in enumerate(feeds):
+      tokens[b, :len(f)] = f
+    group = v.merge * v.merge
+    capacity = bucket(max(sum(len(p) for p, _ in row) for row in encoded), group)
+    packed = [pack_images(row, capacity, v.patch_size * v.patch_size * 3) for row in encoded]
+    packed += [pack_images([], capacity, v.patch_size * v.patch_size * 3)] * (B - len(packed))
+    images = {name: jnp.asarray(np.stack([p[i] for p in packed])) for i, name in enumerate(("patches", "ids",
+                                                                                           "coords"))}
+    embeddings = self.lm.engine.embed_images(jnp.asarray(tokens), images)
+    for start in range(0, longest, piece):
+      lengths = np.array([max(0, min(len(f) - start, piece)) for f in feeds] + [0] * (B - len(feeds)),
+                         np.int32)
+      self._rows = self.lm.engine.prefill_embedded(self._rows, embeddings[:, start:start + piece],
+                                                   jnp.asarray(lengths))
+
 
 def generate(lm, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
-             seed: int = 0) -> GenerateOutput:
+             seed: int = 0, images: list[list] | None = None) -> GenerateOutput:
   """New tokens for each prompt (a list of token ids), all prompts decoded together as one batch.
+  images: per prompt, its images, one per IMAGE placeholder in it (`Conversation.turn`).
 
   temperature 0 is greedy; otherwise tokens are drawn after temperature, top-k and top-p
   (`moejax.inference.sampling`), from `seed`. A row stops at eos_id (included in its tokens) or after
@@ -194,7 +232,7 @@ def generate(lm, prompts: list[list[int]], *, max_new_tokens: int, temperature: 
     raise ValueError("prompts must be a non-empty list of token-id lists")
   return Conversation(lm, len(prompts), seed=seed).turn(
       [list(p) for p in prompts], max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-      top_p=top_p, eos_id=eos_id)
+      top_p=top_p, eos_id=eos_id, images=images)
 
 
 def stream(lm, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.0,

@@ -74,10 +74,15 @@ def prefill_piece(model: Transformer, variables, rows: Rows, tokens_BT, lengths_
   return append(model, variables, rows, tokens_BT, lengths_B)
 
 
-def append(model: Transformer, variables, rows: Rows, tokens_BT, lengths_B) -> Rows:
-  """Appends each row's first lengths_B[b] tokens of tokens_BT to its caches; a row that took any gets
-  the logits after its last one. Rows that take none are left as they were."""
-  h_BTD, cache = model.apply(variables, tokens_BT, cache=rows.cache, lengths_B=lengths_B)
+def append(model: Transformer, variables, rows: Rows, tokens_BT, lengths_B, embeddings_BTD=None) -> Rows:
+  """Appends each row's first lengths_B[b] tokens of tokens_BT (or, given instead, of embeddings_BTD:
+  a prompt whose images are in place) to its caches; a row that took any gets the logits after its last
+  one. Rows that take none are left as they were."""
+  if embeddings_BTD is None:
+    h_BTD, cache = model.apply(variables, tokens_BT, cache=rows.cache, lengths_B=lengths_B)
+  else:
+    h_BTD, cache = model.apply(variables, embeddings_BTD=embeddings_BTD, cache=rows.cache,
+                               lengths_B=lengths_B)
   logits_BV = _last_logits(model, variables, h_BTD, lengths_B)
   logits_BV = jnp.where((lengths_B > 0)[:, None], logits_BV, rows.logits_BV)
   return rows._replace(cache=cache, logits_BV=logits_BV)
@@ -109,7 +114,9 @@ def decode_block(model: Transformer, variables, rows: Rows, keys_B, eos_id, *, s
     ends_B = active_B & ((tokens_B == eos_id) | (drawn_B >= rows.limit_B))
     rows = rows._replace(done_B=rows.done_B | ends_B, drawn_B=drawn_B)
     fed_B = active_B & ~ends_B
-    rows = jax.lax.cond(jnp.any(fed_B), feed, lambda args: args[0], (rows, tokens_B, fed_B))
+    # Fed unconditionally (rows that take no token are left as they were): a lax.cond on "any row goes
+    # on" would make the GPU hand its predicate to the host every step, which then waits on it.
+    rows = feed((rows, tokens_B, fed_B))
     out_tokens = out_tokens.at[:, i].set(jnp.where(active_B, tokens_B, -1))
     out_logp = out_logp.at[:, i].set(jnp.where(active_B, logp_B, 0.0))
     out_taken = out_taken.at[:, i].set(active_B)
@@ -135,9 +142,19 @@ class Engine:
     self._prefill = jax.jit(lambda v, r, t, n: prefill_piece(model, v, r, t, n), donate_argnums=(1,))
     self._decode = jax.jit(lambda v, r, k, e, steps, sampling: decode_block(
         model, v, r, k, e, steps=steps, sampling=sampling), static_argnums=(4, 5), donate_argnums=(1,))
+    self._embed_images = jax.jit(lambda v, t, im: model.apply(v, t, im, method=Transformer.embed_images))
+    self._prefill_embedded = jax.jit(lambda v, r, x, n: append(model, v, r, None, n, x), donate_argnums=(1,))
 
   def prefill(self, rows: Rows, tokens_BT, lengths_B) -> Rows:
     return self._prefill(self.variables, rows, tokens_BT, lengths_B)
+
+  def embed_images(self, tokens_BT, images: dict):
+    """The embeddings [B,T,D] of rows of tokens whose image placeholders take their images' tokens
+    (`Transformer.embed_images`), for `prefill_embedded`."""
+    return self._embed_images(self.variables, tokens_BT, images)
+
+  def prefill_embedded(self, rows: Rows, embeddings_BTD, lengths_B) -> Rows:
+    return self._prefill_embedded(self.variables, rows, embeddings_BTD, lengths_B)
 
   def decode(self, rows: Rows, keys_B, eos_id: int, steps: int, sampling: Sampling):
     return self._decode(self.variables, rows, keys_B, jnp.int32(eos_id), int(steps), sampling)

@@ -107,8 +107,11 @@ def latent_attention(qc_BSHC, latent_BLC, pos_BS, scale: float):
   # Finite, not -inf: a block a query cannot see leaves its max where it was, and exp(m - m) stays 1.
   carry = (jnp.full((B, H, S), -1e30, jnp.float32), jnp.zeros((B, H, S), jnp.float32),
            jnp.zeros((B, S, H, C), jnp.float32))
-  reach = jnp.minimum(jnp.max(pos_BS) // block + 1, n)
-  _, sum_BHS, acc_BSHC = jax.lax.fori_loop(0, reach, one_block, carry)
+  if n == 1:  # a decode step's usual case: no loop, whose trip count a GPU would read back every step
+    _, sum_BHS, acc_BSHC = one_block(0, carry)
+  else:
+    reach = jnp.minimum(jnp.max(pos_BS) // block + 1, n)
+    _, sum_BHS, acc_BSHC = jax.lax.fori_loop(0, reach, one_block, carry)
   return (acc_BSHC / jnp.swapaxes(sum_BHS, 1, 2)[..., None]).astype(latent_BLC.dtype)
 
 

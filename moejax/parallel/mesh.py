@@ -38,6 +38,7 @@ LOGICAL_AXIS_RULES = (
     ("norm", None),
     ("conv", None),
     ("rank", None),
+    ("grid", None),  # the cells of the vision tower's position table
     (LAYERS_AXIS, None),  # the stacking axis of scanned layers (moejax/model.py)
 )
 

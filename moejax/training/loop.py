@@ -26,6 +26,7 @@ from moejax.training import checkpoint as ckpt_lib
 from moejax.training.monitor import Monitor, resolve_workdir, summary, to_row
 from moejax.training.state import init_state, state_shardings
 from moejax.training.step import jit_eval_step, jit_train_step
+from moejax.vision.pipeline import make_vision_dataset
 
 log = logging.getLogger("moejax.train")
 
@@ -42,6 +43,10 @@ def stage_at(stages, step: int):
 
 def _batch_iterator(config, stage, split, seed, manifest_path=None):
   seq_len, _, tokens = stage
+  if config.model.vision.enabled:  # rows of images and text (moejax.vision.pipeline)
+    return iter(make_vision_dataset(config, manifest_path or prepare(config.data), split, seq_len=seq_len,
+                                    batch_size=tokens // seq_len // jax.process_count(), seed=seed,
+                                    shard_index=jax.process_index(), shard_count=jax.process_count()))
   return make_iterator(config.data, split, seq_len, tokens // seq_len, seed, manifest_path=manifest_path)
 
 

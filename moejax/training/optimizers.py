@@ -21,7 +21,7 @@ from moejax.nn import LAYERS_AXIS, layers_lead
 from moejax.parallel.mesh import splits_params
 from moejax.training.muon import scale_by_muon
 
-_ADAM_ONLY_AXES = {"vocab", "conv", "norm"}
+_ADAM_ONLY_AXES = {"vocab", "conv", "norm", "grid"}
 _INPUT_AXES = {"embed", "mlp", "latent", "q_lora", "kv_lora", "rank"}
 
 # Gradients of at most this many elements (norm scales, gates, biases, low-rank factors: 259 of

@@ -19,6 +19,7 @@ from moejax.training.accumulation import AccumulatorLayout, check_taken, combine
 from moejax.training.loss import LossFn, next_token_loss
 from moejax.training.optimizers import dict_to_cfg, learning_rate_schedule, qk_clip
 from moejax.training.state import TrainState, applied_updates, head_matrix
+from moejax.vision.batch import images_of
 
 
 def _sum_leaves(tree, name):
@@ -55,7 +56,7 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
     variables = {"params": params, "balance": balance_vars}
     if grad_acc:
       variables[GRAD_ACC] = grad_acc
-    (h_BTD, _), stats = model.apply(variables, batch["tokens"], batch["segment_ids"],
+    (h_BTD, _), stats = model.apply(variables, batch["tokens"], batch["segment_ids"], images=images_of(batch),
                                     mutable=mutable + [GRAD_ACC_TAKEN] if grad_acc else mutable)
     if grad_acc:
       check_taken(grad_acc, stats.pop(GRAD_ACC_TAKEN, {}))
@@ -188,7 +189,8 @@ def make_eval_step(model: Transformer, config, loss_fn: LossFn = next_token_loss
 
   def eval_step(state: TrainState, batch):
     (h_BTD, _), _ = model.apply({"params": state.params, "balance": state.balance},
-                                batch["tokens"], batch["segment_ids"], mutable=["router"])
+                                batch["tokens"], batch["segment_ids"], images=images_of(batch),
+                                mutable=["router"])
     _, metrics = loss_fn(h_BTD, head_matrix(state.params, cfg), batch, cfg)
     return metrics
 

@@ -232,3 +232,33 @@ def test_publish_writes_the_section_with_its_provenance(tmp_path, monkeypatch, c
   assert path.read_text() == "# Benchmarks\n\n## T\n\n" + "\n".join(lines) + "\n\n## U\n\nu\n"
   publish(None, "T", lines)
   assert capsys.readouterr().out.count("| a | b |") == 2
+
+
+def test_vision_benchmark_smoke():
+  """`vision.py --smoke` on the CPU: the text-only and the vision step in one table, images and encoder
+  FLOPs on the vision row only (the run itself checks that each row's placeholders match its image tokens
+  and that the decoder's count leaves the tower out); and the encoder's count by hand."""
+  from types import SimpleNamespace
+
+  from benchmarks.vision import encoder_flops
+
+  # Images of 4 and 8 patches, width 2, depth 3, merge 2: 10 tower and 5 projector weights.
+  f = encoder_flops(SimpleNamespace(width=2, depth=3, merge=2),
+                    {"tower kernels": 10, "projector kernels": 5}, [4, 8])
+  assert f["tower matmuls"] == 3 * 2 * 10 * 12 and f["projector"] == 3 * 2 * 5 * 3
+  assert f["tower attention"] == 3 * 3 * 4 * (16 + 64) * 2
+  root = pathlib.Path(__file__).resolve().parents[2]
+  out = subprocess.run([sys.executable, "-m", "benchmarks.vision", "--smoke"], capture_output=True, text=True,
+                       timeout=900, cwd=root)
+  assert out.returncode == 0, out.stderr[-2000:]
+  rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+          for line in out.stdout.splitlines() if line.startswith(("| text-only |", "| vision |"))}
+  assert set(rows) == {"text-only", "vision"}, out.stdout
+  # step ms, tokens/s (all), tokens/s (text), images/s, decoder TFLOP, encoder TFLOP, MFU x 2, time / text
+  number = lambda cell: float(cell.replace(",", "").rstrip("%"))
+  text, vision = rows["text-only"], rows["vision"]
+  assert len(text) == len(vision) == 9
+  assert text[3] == "-" and text[5] == "-" and text[8] == "1.00" and text[1] == text[2]
+  assert number(vision[3]) > 0 and number(vision[5]) > 0 and number(vision[8]) > 0
+  assert number(vision[2]) < number(vision[1])  # image positions are not text
+  assert "wrote the" not in out.stdout  # --smoke writes no table
