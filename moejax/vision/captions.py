@@ -20,7 +20,8 @@ def held_out_examples(config, limit: int | None = None) -> list:
   images = config.data.images
   digits = digit_examples("valid", size=images.digit_size)[:limit]
   n = images.valid_scenes if limit is None else min(limit, images.valid_scenes)
-  scenes = [scene_at("valid", i, min_side=images.scene_min_side, max_side=images.scene_max_side)
+  scenes = [scene_at("valid", i, min_side=images.scene_min_side, max_side=images.scene_max_side,
+                     min_object=images.scene_min_object)
             for i in range(n)]
   return digits + scenes
 

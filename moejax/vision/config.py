@@ -3,6 +3,7 @@
 import ml_collections
 
 from moejax.errors import ConfigError
+from moejax.vision.scenes import MIN_OBJECT, smallest_side
 
 ATTENTIONS = ("auto", "xla", "pallas", "interpret")
 IMAGE_SOURCES = ("", "embedded")  # or a JSONL path, glob or fsspec URL
@@ -45,6 +46,7 @@ def default_image_data_config() -> ml_collections.ConfigDict:
   i.digit_size = 16  # pixels a side of an upscaled 8x8 digit
   i.scene_min_side = 24  # drawn scenes: each side drawn from [min, max] pixels
   i.scene_max_side = 48
+  i.scene_min_object = 6  # pixels across, at the least, of a drawn object (sides then >= 3 x (this + 2))
   i.train_scenes = 100_000  # distinct training scenes (then they repeat)
   i.valid_scenes = 500  # held-out scenes (validation and the captions evaluation)
   i.max_decode_pixels = 64 << 20  # larger images are skipped undecoded (decompression bombs)
@@ -91,8 +93,12 @@ def validate_vision(config) -> None:
     need(images[name] >= 0, f"data.images.{name} must be >= 0")
   kinds = ("digits_weight", "scenes_weight") if images.source == "embedded" else ("pairs_weight",)
   need(sum(images[k] for k in kinds) > 0, f"data.images: one of {kinds} must be positive")
-  need(2 <= images.scene_min_side <= images.scene_max_side,
-       "data.images.scene_min_side must be >= 2 and <= scene_max_side")
+  need(isinstance(images.scene_min_object, int) and images.scene_min_object >= MIN_OBJECT,
+       f"data.images.scene_min_object={images.scene_min_object} must be an int >= {MIN_OBJECT}")
+  need(smallest_side(images.scene_min_object) <= images.scene_min_side <= images.scene_max_side,
+       f"data.images.scene_min_side={images.scene_min_side} must be >= "
+       f"{smallest_side(images.scene_min_object)} (three objects of scene_min_object pixels in a half) "
+       f"and <= scene_max_side={images.scene_max_side}")
   for name in ("digit_size", "train_scenes", "valid_scenes", "max_decode_pixels"):
     need(isinstance(images[name], int) and images[name] >= 1, f"data.images.{name} must be a positive int")
 

@@ -127,7 +127,8 @@ def _sources(config, split: str, seq_len: int, manifest_path: str, skips: SkipLo
       out.append((images.digits_weight, grain.MapDataset.source(digits)))
     if images.scenes_weight > 0:
       n = images.train_scenes if split == "train" else images.valid_scenes
-      draw = lambda i: scene_at(name, i, min_side=images.scene_min_side, max_side=images.scene_max_side)
+      draw = lambda i: scene_at(name, i, min_side=images.scene_min_side, max_side=images.scene_max_side,
+                                min_object=images.scene_min_object)
       out.append((images.scenes_weight, grain.MapDataset.range(n).map(draw)))
   elif images.pairs_weight > 0:
     records = [r for r in list_pairs(images.source, image_field=images.image_field,

@@ -69,13 +69,23 @@ def _largest_object(short: int, long: int, count: int) -> int:
   return min(short - 2 * _MARGIN, _slots(long, count) - _GAP)
 
 
-def draw_scene(rng: np.random.Generator, *, min_side: int = 24, max_side: int = 48) -> ImageText:
+def smallest_side(min_object: int) -> int:
+  """The least width or height at which three objects of min_object pixels fit, with their gaps and
+  margins, along the long side of a half (whose short side then has room for them too)."""
+  return 3 * (min_object + _GAP)
+
+
+def draw_scene(rng: np.random.Generator, *, min_side: int = 24, max_side: int = 48,
+               min_object: int = MIN_OBJECT) -> ImageText:
   """One scene of random attributes and size (width and height each in [min_side, max_side]), captioned by
   scene_caption. The objects stand in a row along the longer side of their half, one in each equal slot,
-  each at a random size and place within its slot."""
-  if not MIN_SIDE <= min_side <= max_side:
-    raise ValueError(f"need {MIN_SIDE} <= min_side <= max_side (three objects of {MIN_OBJECT} pixels must "
-                     f"fit in half the image), got min_side={min_side}, max_side={max_side}")
+  each at a random size (at least min_object pixels across) and place within its slot."""
+  if min_object < MIN_OBJECT:
+    raise ValueError(f"min_object={min_object} is below {MIN_OBJECT} pixels")
+  if not smallest_side(min_object) <= min_side <= max_side:
+    raise ValueError(f"need {smallest_side(min_object)} <= min_side <= max_side (three objects of "
+                     f"{min_object} pixels must fit in half the image), got min_side={min_side}, "
+                     f"max_side={max_side}")
   shape = SHAPES[int(rng.integers(len(SHAPES)))]
   colour = list(COLOURS)[int(rng.integers(len(COLOURS)))]
   count = COUNTS[int(rng.integers(len(COUNTS)))]
@@ -90,13 +100,13 @@ def draw_scene(rng: np.random.Generator, *, min_side: int = 24, max_side: int = 
   along_x = (x1 - x0) > (y1 - y0) or ((x1 - x0) == (y1 - y0) and bool(rng.integers(2)))
   long, short = (x1 - x0, y1 - y0) if along_x else (y1 - y0, x1 - x0)
   largest = _largest_object(short, long, count)
-  if largest < MIN_OBJECT:  # cannot happen for sides >= MIN_SIDE; a guard against a changed constant
-    raise ValueError(f"a {width}x{height} image has no room for {count} objects of {MIN_OBJECT} pixels")
+  if largest < min_object:  # cannot happen for sides >= smallest_side; a guard against a changed constant
+    raise ValueError(f"a {width}x{height} image has no room for {count} objects of {min_object} pixels")
   slot = _slots(long, count)
   spare = long - 2 * _MARGIN + _GAP - slot * count  # left over by the division: shifts the whole row
   start = _MARGIN + int(rng.integers(spare + 1))
   for k in range(count):
-    size = int(rng.integers(MIN_OBJECT, largest + 1))
+    size = int(rng.integers(min_object, largest + 1))
     a = start + k * slot + int(rng.integers(slot - _GAP - size + 1))
     b = _MARGIN + int(rng.integers(short - 2 * _MARGIN - size + 1))
     left, top = (x0 + a, y0 + b) if along_x else (x0 + b, y0 + a)
@@ -118,7 +128,8 @@ def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, left: int, top: int, size
     raise ValueError(f"shape must be one of {SHAPES}, got {shape!r}")
 
 
-def scene_at(split: str, index: int, *, seed: int = 0, min_side: int = 24, max_side: int = 48) -> ImageText:
+def scene_at(split: str, index: int, *, seed: int = 0, min_side: int = 24, max_side: int = 48,
+             min_object: int = MIN_OBJECT) -> ImageText:
   """Scene `index` of a split: drawn from a generator seeded by (split, seed, index) alone, so any scene
   can be drawn on demand, in any order (the training pipeline draws them as it reaches them)."""
   if split not in _SPLIT_STREAMS:
@@ -126,15 +137,16 @@ def scene_at(split: str, index: int, *, seed: int = 0, min_side: int = 24, max_s
   if index < 0 or seed < 0:
     raise ValueError(f"index and seed must be >= 0, got index={index}, seed={seed}")
   rng = np.random.default_rng([_STREAM_TAG, seed, _SPLIT_STREAMS[split], int(index)])
-  return draw_scene(rng, min_side=min_side, max_side=max_side)
+  return draw_scene(rng, min_side=min_side, max_side=max_side, min_object=min_object)
 
 
-def scene_examples(split: str, n: int, *, seed: int = 0, min_side: int = 24, max_side: int = 48
-                   ) -> list[ImageText]:
+def scene_examples(split: str, n: int, *, seed: int = 0, min_side: int = 24, max_side: int = 48,
+                   min_object: int = MIN_OBJECT) -> list[ImageText]:
   """Scenes 0..n-1 of the split (`scene_at`); "train" and "valid" draw from different seed streams."""
   if n < 0:
     raise ValueError(f"n must be >= 0, got {n}")
-  return [scene_at(split, i, seed=seed, min_side=min_side, max_side=max_side) for i in range(n)]
+  return [scene_at(split, i, seed=seed, min_side=min_side, max_side=max_side, min_object=min_object)
+          for i in range(n)]
 
 
 def scene_caption_correct(text: str, label: dict) -> bool:

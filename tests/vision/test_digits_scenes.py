@@ -27,6 +27,7 @@ from moejax.vision.scenes import (
   scene_caption,
   scene_caption_correct,
   scene_examples,
+  smallest_side,
 )
 
 # --- digits ---
@@ -94,7 +95,7 @@ def test_a_caption_naming_two_digits_is_wrong(d, other, as_word):
 # --- scenes ---
 
 
-def _check_pixels(ex) -> None:
+def _check_pixels(ex, min_object: int = MIN_OBJECT) -> None:
   """What the label says, read back from the pixels alone."""
   image, label = ex.image, ex.label
   height, width, _ = image.shape
@@ -118,7 +119,7 @@ def _check_pixels(ex) -> None:
   assert n == label["count"]
   for box in ndimage.find_objects(blobs):
     h, w = box[0].stop - box[0].start, box[1].stop - box[1].start
-    assert h >= MIN_OBJECT and w >= MIN_OBJECT
+    assert h >= min_object and w >= min_object
     fill = ink[box].mean()
     low, high = {"square": (0.99, 1.0), "circle": (0.62, 0.9), "triangle": (0.45, 0.62)}[label["shape"]]
     assert low <= fill <= high, (label["shape"], fill)
@@ -139,12 +140,15 @@ def test_scene_pixels_match_their_labels(scenes):
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), min_side=st.integers(24, 40), extra=st.integers(0, 40))
-def test_any_seed_and_size_range_draws_right(seed, min_side, extra):
-  ex = draw_scene(np.random.default_rng(seed), min_side=min_side, max_side=min_side + extra)
+@given(seed=st.integers(0, 2**32 - 1), min_object=st.integers(MIN_OBJECT, 12), more=st.integers(0, 16),
+       extra=st.integers(0, 40))
+def test_any_seed_and_size_range_draws_right(seed, min_object, more, extra):
+  min_side = smallest_side(min_object) + more
+  ex = draw_scene(np.random.default_rng(seed), min_side=min_side, max_side=min_side + extra,
+                  min_object=min_object)
   height, width, _ = ex.image.shape
   assert min_side <= height <= min_side + extra and min_side <= width <= min_side + extra
-  _check_pixels(ex)
+  _check_pixels(ex, min_object)
 
 
 def test_scene_sizes_and_aspect_ratios_vary(scenes):
@@ -192,5 +196,9 @@ def test_scene_arguments_are_checked():
     draw_scene(rng, min_side=16, max_side=48)
   with pytest.raises(ValueError, match="min_side"):
     draw_scene(rng, min_side=40, max_side=30)
+  with pytest.raises(ValueError, match="min_side"):
+    draw_scene(rng, min_side=28, max_side=48, min_object=8)  # three 8-pixel objects need 30
+  with pytest.raises(ValueError, match="min_object"):
+    draw_scene(rng, min_side=30, max_side=48, min_object=4)
   with pytest.raises(ValueError, match="split"):
     scene_examples("test", 3)
