@@ -44,6 +44,9 @@ def stage_at(stages, step: int):
 def _batch_iterator(config, stage, split, seed, manifest_path=None):
   seq_len, _, tokens = stage
   if config.model.vision.enabled:  # rows of images and text (moejax.vision.pipeline)
+    rows, processes = tokens // seq_len, jax.process_count()
+    if rows % processes:
+      raise ConfigError(f"a batch of {rows} rows does not split over {processes} processes")
     return iter(make_vision_dataset(config, manifest_path or prepare(config.data), split, seq_len=seq_len,
                                     batch_size=tokens // seq_len // jax.process_count(), seed=seed,
                                     shard_index=jax.process_index(), shard_count=jax.process_count()))
