@@ -41,9 +41,8 @@ the vision step's decoder count equals the text step's. The patch embedding's in
 computed (the input is pixels), so 3 x overcounts its 0.45M weights a little.
 
 MFU = (decoder + encoder FLOPs per step) / step time, against the card's data-sheet dense bf16 peak and
-against the bf16 matmul rate measured in the same call (benchmarks/timing.py). The run takes about 4
-minutes on one H100 or H200 (229 s on an H100, 2026-12-07: compiles of 73 s and 111 s, each overlapped with
-the state's initialisation on the host, then --steps timed steps each; peak memory 74.0 GiB).
+against the bf16 matmul rate measured in the same call (benchmarks/timing.py). The run fits a 600-second
+device call on one H100 or H200 (its compiles and peak memory: BENCHMARKS.md, "Vision step").
 """
 
 import argparse
