@@ -62,4 +62,5 @@ def get_config():
   v.mlp_dim = 4304  # A
   v.position_grid = 64  # A
   v.max_pixels = 1792 * 1792  # A: 16,384 patches
+  c.train.stages = ((8192, 1, 8192),)  # A: rows that hold the largest image's 4,096 tokens
   return c

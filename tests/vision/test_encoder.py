@@ -190,6 +190,7 @@ def test_a_model_without_a_tower_refuses_images():
     (lambda c: c.model.vision.update(attention="flash"), "model.vision.attention"),
     (lambda c: c.model.vision.update(enabled=False), "no tower to read the images"),
     (lambda c: c.data.images.update(scene_min_object=8), "scene_min_side=24 must be >= 30"),
+    (lambda c: c.train.update(stages=((16, 1, 16),)), "rows of 16 tokens cannot hold the largest image"),
 ])
 def test_bad_vision_configs_name_their_field(change, message):
   from moejax.errors import ConfigError
