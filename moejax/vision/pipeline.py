@@ -23,22 +23,22 @@ its parent's from before the example it holds back.
 """
 
 import dataclasses
-import logging
+import hashlib
 
 import grain
 import numpy as np
 
-from moejax.data.prepare import SPLITS, load_prepared_tokenizer, shard_paths
+from moejax.data.prepare import SPLITS, load_manifest, load_prepared_tokenizer, shard_paths
 from moejax.data.tokenizer import BOS_ID, EOS_ID, IMAGE_ID, PAD_ID, has_image_token
 from moejax.vision.batch import pack_images
 from moejax.vision.config import image_pixel_cap
 from moejax.vision.digits import digit_examples
+from moejax.vision.examples import ImageText
 from moejax.vision.images import BadImage, SkipLog, read_image
 from moejax.vision.pairs import list_pairs
 from moejax.vision.patches import patchify
 from moejax.vision.scenes import scene_at
 
-log = logging.getLogger("moejax.vision")
 _SPLIT_NAMES = {"train": "train", "validation": "valid"}
 _PREFETCH = 16
 
@@ -81,8 +81,6 @@ def _text_windows(manifest_path: str, split: str, seq_len: int):
   """A MapDataset of {"ids"} windows of at most seq_len + 1 tokens covering every document of the split
   (consecutive windows share one token, so every token but a document's first is a target once)."""
   source = grain.sources.ArrayRecordDataSource(shard_paths(manifest_path, split))
-  from moejax.data.prepare import load_manifest  # noqa: PLC0415 (the dtype only)
-
   dtype = np.dtype(load_manifest(manifest_path)["token_dtype"]).newbyteorder("<")
   windows = []
   for d in range(len(source)):
@@ -105,8 +103,6 @@ class _Decoded:
     self.records, self.max_decode_pixels, self.skips = records, max_decode_pixels, skips
 
   def __call__(self, i):
-    from moejax.vision.examples import ImageText  # noqa: PLC0415
-
     where, path, text = self.records[i]
     try:
       image = read_image(path, max_decode_pixels=self.max_decode_pixels)
@@ -144,8 +140,6 @@ def _sources(config, split: str, seq_len: int, manifest_path: str, skips: SkipLo
 
 def _pair_split(path: str) -> str:
   """Pairs are split by their image path's hash: 1 in 20 held out."""
-  import hashlib  # noqa: PLC0415
-
   return "validation" if int(hashlib.sha256(path.encode()).hexdigest()[:8], 16) % 20 == 0 else "train"
 
 
