@@ -22,6 +22,8 @@ import numpy as np
 from PIL import Image, ImageOps
 
 REASONS = ("corrupt", "empty", "oversized", "missing")
+# What a SkipLog counts: bad images, and image-text examples too long for a training row.
+SKIP_REASONS = (*REASONS, "too long")
 # 16-bit greys (16-bit PNG, TIFF) are scaled to 8 bits; Pillow's own conversion would clip them to 255.
 _SIXTEEN_BIT_MODES = frozenset({"I", "I;16", "I;16B", "I;16L", "I;16N"})
 
@@ -116,10 +118,11 @@ class SkipLog:
     self._counts: Counter[str] = Counter()
 
   def skip(self, reason: str, where: str) -> None:
-    if reason not in REASONS:
-      raise ValueError(f"unknown skip reason {reason!r}; expected one of {REASONS}")
+    if reason not in SKIP_REASONS:
+      raise ValueError(f"unknown skip reason {reason!r}; expected one of {SKIP_REASONS}")
     self._counts[reason] += 1
-    log.warning("skipped %s image at %s (%d %s so far)", reason, where, self._counts[reason], reason)
+    log.warning("skipped %s %s at %s (%d %s so far)", reason, "example" if reason == "too long" else "image",
+                where, self._counts[reason], reason)
 
   def counts(self) -> dict[str, int]:
     return dict(self._counts)

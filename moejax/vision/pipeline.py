@@ -7,7 +7,7 @@ Per process, for a split:
     pairs    image-text pairs of JSONL files, decoded on demand (source = the JSONL path)
     text     windows of seq_len + 1 tokens of the prepared corpus's documents
   -> mixed by the data.images weights -> shuffled (train; every epoch anew) -> encoded
-  -> bad images dropped (counted, warned: moejax.vision.images.SkipLog)
+  -> bad images, and examples longer than a row, dropped (counted, warned: moejax.vision.images.SkipLog)
   -> packed greedily into rows of seq_len tokens and patches_per_row patches -> batches.
 
 An image-text example becomes BOS, one IMAGE placeholder per merged image token, the caption, EOS; its
@@ -63,18 +63,18 @@ def row_shape(config, seq_len: int) -> RowShape:
                   image_pixel_cap(config))
 
 
-def encode_example(example, tokenizer, shape: RowShape) -> dict:
-  """{"ids": BOS, placeholders, caption ids, EOS (cut to seq_len + 1), "patches", "coords"} of an
-  ImageText."""
+def encode_example(example, tokenizer, shape: RowShape) -> dict | None:
+  """{"ids": BOS, placeholders, caption ids, EOS, "patches", "coords"} of an ImageText, or None where
+  they are more than a row's seq_len + 1 tokens (the caller counts it as skipped: cutting the caption
+  would teach a caption that stops short)."""
   patches, coords = patchify(example.image, patch=shape.patch_size, merge=shape.merge,
                              max_pixels=shape.max_pixels)
   placeholders = len(patches) // (shape.merge * shape.merge)
   caption = tokenizer.encode(example.text).ids
   ids = np.array([BOS_ID, *([IMAGE_ID] * placeholders), *caption, EOS_ID], np.int32)
-  if placeholders + 2 > shape.seq_len + 1:
-    raise ValueError(f"an image of {placeholders} tokens does not fit a row of {shape.seq_len}: raise the "
-                     "sequence length or lower model.vision.max_pixels / data.images.patches_per_row")
-  return {"ids": ids[:shape.seq_len + 1], "patches": patches, "coords": coords}
+  if len(ids) > shape.seq_len + 1:
+    return None
+  return {"ids": ids, "patches": patches, "coords": coords}
 
 
 def _text_windows(manifest_path: str, split: str, seq_len: int):
@@ -167,7 +167,11 @@ def make_vision_dataset(config, manifest_path: str, split: str, *, seq_len: int,
   def encode(item):
     if item is None or isinstance(item, dict):
       return item
-    return encode_example(item, tokenizer, shape)
+    encoded = encode_example(item, tokenizer, shape)
+    if encoded is None:
+      skips.skip("too long", f"a {item.kind} example of {item.image.shape[1]}x{item.image.shape[0]} pixels "
+                             f"and {len(item.text)} characters of text, beyond a row of {seq_len} tokens")
+    return encoded
 
   ds = ds.map(encode)
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=_PREFETCH))

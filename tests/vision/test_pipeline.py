@@ -84,6 +84,9 @@ def test_pairs_from_jsonl_skip_bad_images_and_count_them(prepared, tmp_path, cap
   (tmp_path / "empty.png").write_bytes(b"")
   lines += [{"image": "corrupt.png", "text": "bad."}, {"image": "empty.png", "text": "bad."},
             {"image": "missing.png", "text": "bad."}]
+  for i in range(4):  # good images whose captions overflow a row of SEQ tokens
+    Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(tmp_path / f"long{i}.png")
+    lines.append({"image": f"long{i}.png", "text": "a caption far too long for its row. " * 20})
   (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
   cfg = cfg.copy_and_resolve_references()
   cfg.data.images.update(source=str(tmp_path / "pairs.jsonl"), text_weight=0.0)
@@ -94,7 +97,8 @@ def test_pairs_from_jsonl_skip_bad_images_and_count_them(prepared, tmp_path, cap
   # Exactly the bad pairs that the path hash puts into the train split are skipped, each counted once
   # under its reason and warned about; the good ones all arrive.
   records = [r for r in list_pairs(str(tmp_path / "pairs.jsonl")) if _pair_split(r[1]) == "train"]
-  bad = {"corrupt.png": "corrupt", "empty.png": "empty", "missing.png": "missing"}
+  bad = {"corrupt.png": "corrupt", "empty.png": "empty", "missing.png": "missing",
+         **{f"long{i}.png": "too long" for i in range(4)}}
   want = {}
   for _, path, _ in records:
     reason = bad.get(path.rsplit("/", 1)[-1])
