@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.data.tokenizer import IMAGE_ID
 from moejax.inference.engine import Rows, bucket, cache_length, grow_cache
 from moejax.inference.sampling import Sampling
 from moejax.vision.batch import pack_images
@@ -93,6 +94,11 @@ class Conversation:
       expanded = [expand_placeholders(self.lm.config, list(new_tokens[b]), list(images[b] or []))
                   for b in range(self.batch)]
       new_tokens, encoded = [e[0] for e in expanded], [e[1] for e in expanded]
+    elif self.lm.config.model.vision.enabled and any(IMAGE_ID in list(row) for row in new_tokens):
+      # The tokenizer of a vision model reserves IMAGE_ID: a placeholder without its image would be read
+      # as the placeholder's own embedding, an image of nothing.
+      raise ValueError(f"a prompt holds image placeholders (token {IMAGE_ID}) but no images were given: pass "
+                       "images=[[image, ...] per row]")
     self._check(new_tokens, max_new_tokens, eos_id, active)
     feeds = [self._unfed[b] + [int(t) for t in new_tokens[b]] if active[b] else [] for b in range(self.batch)]
     need = max(n + len(f) + max_new_tokens for n, f, a in zip(self.lengths, feeds, active, strict=True) if a)

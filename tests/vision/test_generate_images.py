@@ -65,3 +65,5 @@ def test_image_counts_must_match_placeholders(lm):
     generate(lm, [[BOS_ID, IMAGE_ID]], images=[[image, image]], max_new_tokens=2)
   with pytest.raises(ValueError, match="one per row"):
     Conversation(lm, 2).turn([[BOS_ID], [BOS_ID]], images=[[image]], max_new_tokens=2)
+  with pytest.raises(ValueError, match="no images were given"):
+    generate(lm, [[BOS_ID, IMAGE_ID]], max_new_tokens=2)
