@@ -68,9 +68,9 @@ from moejax.config import passes_per_step, validate
 from moejax.data.tokenizer import BOS_ID, EOS_ID, IMAGE_ID
 from moejax.device_memory import is_out_of_memory, use_default_memory_fraction
 from moejax.model import build_model
-from moejax.vision.batch import pack_images
 from moejax.vision.config import image_pixel_cap
 from moejax.vision.patches import merged_tokens, num_patches, patchify
+from moejax.vision.pipeline import pack_row, row_shape
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SECTION = "Vision step"
@@ -102,7 +102,7 @@ def vision_row(rng, config, seq_len: int, mean_doc: int, sides: tuple[int, int])
   v, capacity = config.model.vision, config.data.images.patches_per_row
   size = dict(patch=v.patch_size, merge=v.merge, max_pixels=image_pixel_cap(config))
   text = lambda n: rng.integers(IMAGE_ID + 1, config.model.vocab_size, n, dtype=np.int32)
-  examples, encoded, patches_used, positions_used, misses = [], [], 0, 0, 0
+  items, patch_counts, patches_used, positions_used, misses = [], [], 0, 0, 0
   while misses < MISSES:
     h, w = (int(s) for s in rng.integers(sides[0], sides[1] + 1, 2))
     n = num_patches(h, w, **size)
@@ -114,24 +114,20 @@ def vision_row(rng, config, seq_len: int, mean_doc: int, sides: tuple[int, int])
     misses = 0
     patches, coords = patchify(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), **size)
     assert len(patches) == n
-    examples.append(np.array([BOS_ID, *[IMAGE_ID] * k, *text(caption), EOS_ID], np.int32))
-    encoded.append((patches, coords))
+    items.append({"ids": np.array([BOS_ID, *[IMAGE_ID] * k, *text(caption), EOS_ID], np.int32),
+                  "patches": patches, "coords": coords})
+    patch_counts.append(n)
     patches_used, positions_used = patches_used + n, positions_used + k + caption + 1
   while positions_used < seq_len:  # plain text documents; the last is cut at the row's end
     length = min(int(rng.geometric(1.0 / max(mean_doc, 1))), seq_len - positions_used)
-    examples.append(np.array([BOS_ID, *text(length - 1), EOS_ID], np.int32))
+    items.append({"ids": np.array([BOS_ID, *text(length - 1), EOS_ID], np.int32)})
     positions_used += length
-  # As moejax/vision/pipeline.py packs: an example of ids e covers len(e) - 1 positions, e[:-1] -> e[1:].
-  tokens = np.concatenate([e[:-1] for e in examples])
-  targets = np.concatenate([e[1:] for e in examples])
-  segments = np.concatenate([np.full(len(e) - 1, s, np.int32) for s, e in enumerate(examples, start=1)])
-  patches, image_ids, coords = pack_images(encoded, capacity, v.patch_size * v.patch_size * 3)
-  assert tokens.shape == (seq_len,)
-  placeholders, image_tokens = int(np.sum(tokens == IMAGE_ID)), int(np.sum(image_ids > 0)) // v.merge ** 2
+  row = pack_row(items, row_shape(config, seq_len))
+  assert int(np.sum(row["segment_ids"] > 0)) == seq_len  # the row is full
+  placeholders = int(np.sum(row["tokens"] == IMAGE_ID))
+  image_tokens = int(np.sum(row["image_ids"] > 0)) // v.merge ** 2
   assert placeholders == image_tokens, (placeholders, image_tokens)
-  return {"tokens": tokens, "targets": targets, "segment_ids": segments,
-          "loss_mask": (targets != IMAGE_ID).astype(np.float32), "image_patches": patches,
-          "image_ids": image_ids, "image_coords": coords, "patch_counts": [len(p) for p, _ in encoded]}
+  return {**row, "patch_counts": patch_counts}
 
 
 def vision_batch(config, batch: int, seq_len: int, mean_doc: int, sides, seed: int = 0):

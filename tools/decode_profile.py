@@ -10,7 +10,6 @@ bytes: the remedy is fewer kernels (fusion, a decode kernel) or a loop XLA runs 
 """
 
 import argparse
-import collections
 import os
 import pathlib
 import tempfile
@@ -24,7 +23,7 @@ from benchmarks.step import XLA_FLAGS
 from moejax.config import load_experiment, validate
 from moejax.inference import random_model
 from moejax.inference.sampling import Sampling
-from tools.trace_parts import kernel_events, load_trace, op_names, table
+from tools.trace_parts import kernel_events, load_trace, main_module_events, op_names, table
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -60,12 +59,7 @@ def main():
       for _ in range(args.calls):
         rows, tokens, _, _ = lm.engine.decode(rows, keys, -1, DECODE_STEPS, sampling)
       jax.block_until_ready(tokens)
-    events = kernel_events(load_trace(log_dir))
-  modules = collections.Counter()
-  for module, _, _, us in events:
-    modules[module] += us
-  main_module = modules.most_common(1)[0][0] if modules else ""
-  events = [e for e in events if e[0] == main_module]
+    events = main_module_events(kernel_events(load_trace(log_dir)))
   steps = args.calls * DECODE_STEPS
   busy_ms = sum(e[3] for e in events) / 1e3 / steps
   print(f"{jax.devices()[0].device_kind}, {pathlib.Path(args.config).name}, batch {args.batch}, context "

@@ -267,9 +267,14 @@ def trace_steps(step, state, batch, calls: int, log_dir: str):
     for _ in range(calls):
       state, metrics = step(state, batch)
     jax.block_until_ready((state, metrics))
-  events = kernel_events(load_trace(log_dir))
+  return main_module_events(kernel_events(load_trace(log_dir))), state
+
+
+def main_module_events(events):
+  """The kernel events of the module that took the most time (a trace also holds small transfers and
+  other programs), and those that name no module."""
   modules = collections.Counter()
   for module, _, _, us in events:
     modules[module] += us
   main = modules.most_common(1)[0][0] if modules else ""
-  return [e for e in events if e[0] == main or not e[0]], state
+  return [e for e in events if e[0] == main or not e[0]]

@@ -37,8 +37,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, *, individual_digits:
   IMAGE at IMAGE_ID, the image placeholder of vision runs."""
   if vocab_size < MIN_VOCAB_SIZE:
     raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs the 256 byte "
-                     f"symbols plus {len(SPECIAL_TOKENS)} special tokens, so at least "
-                     f"{MIN_VOCAB_SIZE}")
+                     f"symbols plus {len(SPECIAL_TOKENS)} special tokens and room for the image "
+                     f"placeholder, so at least {MIN_VOCAB_SIZE}")
   tok = _empty_byte_level(individual_digits)
   specials = list(SPECIAL_TOKENS) + ([IMAGE] if image_token else [])
   trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,

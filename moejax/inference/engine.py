@@ -101,10 +101,6 @@ def decode_block(model: Transformer, variables, rows: Rows, keys_B, eos_id, *, s
   """
   B = rows.done_B.shape[0]
 
-  def feed(args):  # a one-token prefill of the rows that go on
-    rows, tokens_B, fed_B = args
-    return append(model, variables, rows, tokens_B[:, None], fed_B.astype(jnp.int32))
-
   def body(carry):
     i, rows, out_tokens, out_logp, out_taken = carry
     keys = jax.vmap(jax.random.fold_in)(keys_B, rows.drawn_B)
@@ -114,9 +110,10 @@ def decode_block(model: Transformer, variables, rows: Rows, keys_B, eos_id, *, s
     ends_B = active_B & ((tokens_B == eos_id) | (drawn_B >= rows.limit_B))
     rows = rows._replace(done_B=rows.done_B | ends_B, drawn_B=drawn_B)
     fed_B = active_B & ~ends_B
-    # Fed unconditionally (rows that take no token are left as they were): a lax.cond on "any row goes
-    # on" would make the GPU hand its predicate to the host every step, which then waits on it.
-    rows = feed((rows, tokens_B, fed_B))
+    # A one-token prefill of the rows that go on, run even when none does (those that take no token are
+    # left as they were): a lax.cond on "any row goes on" would make the GPU hand its predicate to the
+    # host every step, which then waits on it.
+    rows = append(model, variables, rows, tokens_B[:, None], fed_B.astype(jnp.int32))
     out_tokens = out_tokens.at[:, i].set(jnp.where(active_B, tokens_B, -1))
     out_logp = out_logp.at[:, i].set(jnp.where(active_B, logp_B, 0.0))
     out_taken = out_taken.at[:, i].set(active_B)

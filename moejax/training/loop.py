@@ -48,8 +48,8 @@ def _batch_iterator(config, stage, split, seed, manifest_path=None):
     if rows % processes:
       raise ConfigError(f"a batch of {rows} rows does not split over {processes} processes")
     return iter(make_vision_dataset(config, manifest_path or prepare(config.data), split, seq_len=seq_len,
-                                    batch_size=tokens // seq_len // jax.process_count(), seed=seed,
-                                    shard_index=jax.process_index(), shard_count=jax.process_count()))
+                                    batch_size=rows // processes, seed=seed,
+                                    shard_index=jax.process_index(), shard_count=processes))
   return make_iterator(config.data, split, seq_len, tokens // seq_len, seed, manifest_path=manifest_path)
 
 

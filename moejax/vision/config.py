@@ -86,15 +86,12 @@ def validate_vision(config) -> None:
   need(isinstance(images.patches_per_row, int) and images.patches_per_row >= group
        and images.patches_per_row % group == 0,
        f"data.images.patches_per_row={images.patches_per_row} must be a positive multiple of merge^2={group}")
-  image_tokens = min(v.max_pixels // (v.patch_size * v.patch_size), images.patches_per_row) // group
+  image_tokens = image_pixel_cap(config) // (v.patch_size * v.patch_size) // group
   for seq_len, _, _ in config.train.stages:
     need(seq_len >= image_tokens + 2,
          f"train.stages: rows of {seq_len} tokens cannot hold the largest image ({image_tokens} tokens, "
          "with BOS and EOS; model.vision.max_pixels and data.images.patches_per_row cap it): raise the "
          "sequence length or lower those caps")
-  most = (v.max_pixels // (v.patch_size * v.patch_size))
-  need(images.patches_per_row >= min(most, group),
-       "data.images.patches_per_row must hold at least one image")
   for name in ("digits_weight", "scenes_weight", "pairs_weight", "text_weight"):
     need(images[name] >= 0, f"data.images.{name} must be >= 0")
   kinds = ("digits_weight", "scenes_weight") if images.source == "embedded" else ("pairs_weight",)

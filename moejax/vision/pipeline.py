@@ -56,7 +56,6 @@ class RowShape:
     return self.patch_size * self.patch_size * 3
 
 
-
 def row_shape(config, seq_len: int) -> RowShape:
   v = config.model.vision
   return RowShape(seq_len, int(config.data.images.patches_per_row), int(v.patch_size), int(v.merge),
@@ -90,8 +89,7 @@ def _text_windows(manifest_path: str, split: str, seq_len: int):
 
   def read(i):
     d, start = windows[i]
-    ids = np.frombuffer(source[int(d)], dtype).astype(np.int32)
-    return {"ids": ids[start:start + seq_len + 1]}
+    return {"ids": np.frombuffer(source[int(d)], dtype)[start:start + seq_len + 1].astype(np.int32)}
 
   return grain.MapDataset.range(len(windows)).map(read)
 
@@ -246,19 +244,26 @@ class _Row:
     self.patches += len(item["patches"]) if "patches" in item else 0
 
   def finish(self) -> dict:
-    s = self.shape
-    T, N = s.seq_len, s.patches
-    tokens, targets = np.full(T, PAD_ID, np.int32), np.full(T, PAD_ID, np.int32)
-    segments, positions = np.zeros(T, np.int32), np.zeros(T, np.int32)
-    t = 0
-    for segment, item in enumerate(self.items, start=1):
-      ids = item["ids"]
-      n = len(ids) - 1
-      tokens[t:t + n], targets[t:t + n] = ids[:-1], ids[1:]
-      segments[t:t + n], positions[t:t + n] = segment, np.arange(n)
-      t += n
-    patches, image_ids, coords = pack_images([(item["patches"], item["coords"]) for item in self.items
-                                              if "patches" in item], N, s.patch_values)
-    loss_mask = ((segments != 0) & (targets != IMAGE_ID)).astype(np.float32)
-    return {"tokens": tokens, "targets": targets, "segment_ids": segments, "positions": positions,
-            "loss_mask": loss_mask, "image_patches": patches, "image_ids": image_ids, "image_coords": coords}
+    return pack_row(self.items, self.shape)
+
+
+def pack_row(items: list[dict], shape: RowShape) -> dict:
+  """One batch row of encoded examples ({"ids"[, "patches", "coords"]}) that fit it, in order: example
+  ids e cover len(e) - 1 positions (inputs e[:-1], targets e[1:]) as segment 1, 2, ...; padding after
+  them; the images packed by `pack_images`; the loss mask 0 on padding and where the target is a
+  placeholder."""
+  T = shape.seq_len
+  tokens, targets = np.full(T, PAD_ID, np.int32), np.full(T, PAD_ID, np.int32)
+  segments, positions = np.zeros(T, np.int32), np.zeros(T, np.int32)
+  t = 0
+  for segment, item in enumerate(items, start=1):
+    ids = item["ids"]
+    n = len(ids) - 1
+    tokens[t:t + n], targets[t:t + n] = ids[:-1], ids[1:]
+    segments[t:t + n], positions[t:t + n] = segment, np.arange(n)
+    t += n
+  patches, image_ids, coords = pack_images([(item["patches"], item["coords"]) for item in items
+                                            if "patches" in item], shape.patches, shape.patch_values)
+  loss_mask = ((segments != 0) & (targets != IMAGE_ID)).astype(np.float32)
+  return {"tokens": tokens, "targets": targets, "segment_ids": segments, "positions": positions,
+          "loss_mask": loss_mask, "image_patches": patches, "image_ids": image_ids, "image_coords": coords}
