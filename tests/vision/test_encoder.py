@@ -85,6 +85,19 @@ def test_position_interpolation_is_scale_and_translate_without_antialiasing(gh, 
   chex.assert_trees_all_close(got, want, atol=1e-5)
 
 
+def test_position_interpolation_gradients_are_those_of_scale_and_translate():
+  side, gh, gw = 5, 7, 3
+  table = jax.random.normal(jax.random.key(1), (side, side, 4), jnp.float32)
+  weights = jax.random.normal(jax.random.key(2), (gh, gw, 4), jnp.float32)
+  rows, cols = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
+  coords = jnp.asarray(np.stack([rows.ravel(), cols.ravel(), np.full(gh * gw, gh), np.full(gh * gw, gw)], 1))
+  ours = jax.grad(lambda t: jnp.sum(weights * interpolated_positions(t, coords).reshape(gh, gw, 4)))(table)
+  scale = jnp.array([gh / side, gw / side])
+  theirs = jax.grad(lambda t: jnp.sum(weights * jax.image.scale_and_translate(
+      t, (gh, gw, 4), (0, 1), scale, jnp.zeros(2), "cubic", antialias=False)))(table)
+  chex.assert_trees_all_close(ours, theirs, atol=1e-5)
+
+
 def test_position_interpolation_on_the_tables_own_grid_is_the_identity():
   side = 7
   table = jax.random.normal(jax.random.key(0), (side, side, 3))
@@ -120,11 +133,21 @@ def test_encoder_over_packed_images_equals_each_image_alone(attention):
   params = jax.jit(enc.init)(jax.random.key(0), patches, ids, coords)
   apply = jax.jit(enc.apply)
   packed = apply(params, patches, ids, coords)[0]
+
+  def image_loss(q, inputs, w, start, n):
+    return jnp.sum(w * apply(q, *inputs)[0, start:start + n])
+
   start = 0
   for p, c in encoded:
-    alone = apply(params, *(jnp.asarray(x)[None] for x in pack_images([(p, c)], len(p), p.shape[1])))[0]
+    alone_inputs = [jnp.asarray(x)[None] for x in pack_images([(p, c)], len(p), p.shape[1])]
+    alone = apply(params, *alone_inputs)[0]
     n = len(p) // (MERGE * MERGE)
     chex.assert_trees_all_close(packed[start:start + n], alone, atol=2e-5, rtol=2e-5)
+    # Gradients too: a loss on this image's tokens gets the same parameter gradient packed as alone.
+    w = jax.random.normal(jax.random.key(start), alone.shape)
+    grad_packed = jax.grad(image_loss)(params, (patches, ids, coords), w, start, n)
+    grad_alone = jax.grad(image_loss)(params, alone_inputs, w, 0, n)
+    chex.assert_trees_all_close(grad_packed, grad_alone, atol=1e-4, rtol=1e-4)
     start += n
 
 
