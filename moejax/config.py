@@ -178,6 +178,9 @@ def base_config() -> ml_collections.ConfigDict:
   t.maxvio_alert = 1.0  # warn when MaxVio_batch stays above this ...
   t.maxvio_alert_steps = 50  # ... for this many consecutive steps
   t.progress_bar = True
+  # Serve the run's metrics to Prometheus on this port of every process (moejax.training.prometheus,
+  # deploy/prometheus); 0: no endpoint.
+  t.metrics_port = 0
   # XLA may keep a value wider than the dtype the model rounds it to, and drops the f32 -> bf16 -> f32
   # round trips that the casts make (its default). Then a bf16 activation between two kernels is written
   # and read as float32, which adds traffic to every step (BENCHMARKS.md, "Step HBM traffic"; static,
@@ -398,6 +401,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
        f"for all {len(t.stages)} stages")
   for name in ("allow_excess_precision", "xla_triton_gemm", "xla_dot_merger"):
     need(isinstance(t[name], bool), f"train.{name} must be True or False, got {t[name]!r}")
+  need(type(t.metrics_port) is int and 0 <= t.metrics_port < 65536,
+       f"train.metrics_port must be a TCP port in [1, 65535], or 0 for no endpoint; got {t.metrics_port!r}")
   need(set(t.mesh) == {"data", "fsdp", "expert", "tensor"},
        f"train.mesh must have exactly the axes data, fsdp, expert, tensor; got {sorted(t.mesh)}")
   need(all(isinstance(n, int) and n >= 1 for n in t.mesh.values()),

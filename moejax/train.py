@@ -1,12 +1,15 @@
 """Training entry point.
 
 python -m moejax.train --config experiments/tiny.py --workdir runs/tiny [--config.optim.lr=1e-3 ...]
+python -m moejax.train ... --coordinator HOST:PORT --num_processes N --process_id I   (one per process)
 
 Runs the progressive-context stages of `config.train.stages` (moejax.training.loop.run), and resumes
 from the newest readable checkpoint in `--workdir` when restarted. The console shows the progress bar,
 a line per evaluation and checkpoint, warnings and a closing summary; `--verbose` adds the INFO logs of
-JAX, orbax and grain. Unless the environment sets XLA's allocator (XLA_PYTHON_CLIENT_MEM_FRACTION,
-_PREALLOCATE or _ALLOCATOR), XLA may take `moejax.device_memory.default_memory_fraction()` of the GPU.
+JAX, orbax and grain. Several processes (moejax.parallel.distributed) connect through the flags above, a
+Kubernetes JobSet's environment (deploy/k8s) or SLURM; `--workdir` may be an s3:// or gs:// URL.
+Unless the environment sets XLA's allocator (XLA_PYTHON_CLIENT_MEM_FRACTION, _PREALLOCATE or _ALLOCATOR),
+XLA may take `moejax.device_memory.default_memory_fraction()` of the GPU.
 """
 
 import logging
@@ -18,6 +21,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from moejax.device_memory import use_default_memory_fraction
+from moejax.parallel import distributed
 from moejax.training.loop import run
 
 # Their INFO lines (orbax's and grain's come through absl's logger) would bury the progress bar.
@@ -32,7 +36,14 @@ def _define_flags():
   workdir = flags.DEFINE_string("workdir", None, "directory for checkpoints and logs (relative to the "
                                 "current directory, or a URL)")
   verbose = flags.DEFINE_bool("verbose", False, "also show the INFO logs of JAX, orbax and grain")
-  return config, workdir, verbose
+  cluster = (
+      flags.DEFINE_string("coordinator", None, "HOST:PORT of process 0, for a run of several processes"),
+      flags.DEFINE_integer("num_processes", None, "processes of the run"),
+      flags.DEFINE_integer("process_id", None, "this process's index, from 0"),
+      flags.DEFINE_integer("distributed_timeout", distributed.DEFAULT_TIMEOUT_S,
+                           "seconds to wait for the other processes (connecting, barriers, a silent peer) "
+                           "before stopping with an error"))
+  return config, workdir, verbose, cluster
 
 
 class _ConsoleHandler(logging.Handler):
@@ -76,14 +87,20 @@ def configure_console(verbose: bool) -> None:
   logging.captureWarnings(True)  # Python warnings through the same handler, not across the bar
 
 
-def main(argv, config_flag, workdir_flag, verbose_flag):
+def main(argv, config_flag, workdir_flag, verbose_flag, cluster_flags):
   del argv
   if config_flag.value is None or workdir_flag.value is None:
     sys.exit("usage: python -m moejax.train --config experiments/tiny.py --workdir DIR "
              "[--config.optim.lr=1e-3 --config.train.stages='((128, 30, 2048),)' --verbose ...]\n"
              "--config (an experiment file) and --workdir (checkpoints and logs) are required")
   configure_console(verbose_flag.value)
-  run(config_flag.value, workdir_flag.value)  # closes with a summary of the run on the console
+  coordinator, num_processes, process_id, timeout = (f.value for f in cluster_flags)
+  distributed.initialize(coordinator, num_processes, process_id, timeout)
+  try:
+    run(config_flag.value, workdir_flag.value)  # closes with a summary of the run on the console
+  except Exception as e:
+    distributed.exit_on_error(e)  # several processes: stop now, not at a shutdown barrier
+    raise
 
 
 if __name__ == "__main__":

@@ -39,6 +39,11 @@ def default_data_config() -> ml_collections.ConfigDict:
   c.seed = 0  # document shuffle seed (stage i of moejax.train: seed + i); every epoch is reshuffled from it
   c.shuffle_buffer = 1024  # packed rows shuffled together (train only; 0 or 1: off)
   c.read_threads = 1  # grain reader threads per process (0: read synchronously)
+  # Disjoint data streams that each step's batch is drawn from, rows / streams rows each
+  # (moejax.data.streams): the processes of a run split them, so the data order does not depend on
+  # the process count, and any count dividing them can resume the run. 0: one per process of the run's
+  # first start. Fixed for the run (workdir/run.json).
+  c.streams = 0
   c.num_workers = 0  # grain worker processes (0: none; threads are scarce on small hosts)
   return c
 
@@ -56,7 +61,7 @@ def validate_data_config(c) -> None:
        "data.source='stdlib' reads Python files, so data.format must be 'text'")
   need(isinstance(c.image_token, bool), f"data.image_token must be True or False, got {c.image_token!r}")
   need(isinstance(c.text_field, str) and c.text_field != "", "data.text_field must be a non-empty string")
-  for name in ("max_files", "max_bytes", "tokenizer_train_bytes", "shuffle_buffer", "read_threads",
+  for name in ("max_files", "max_bytes", "tokenizer_train_bytes", "shuffle_buffer", "read_threads", "streams",
                "num_workers"):
     need(int(c[name]) >= 0, f"data.{name}={c[name]} must be >= 0")
   need(int(c.vocab_size) >= MIN_VOCAB_SIZE,

@@ -103,7 +103,7 @@ def make_dataset(manifest_path: str, split: str, *, seq_len: int, batch_size: in
   n_docs = manifest["splits"][split]["documents"]
   if n_docs < shard_count:
     raise ValueError(f"split {split!r} has {n_docs} documents, fewer than the {shard_count} "
-                     f"processes that share it")
+                     f"shards (data streams) that share it")
   dtype = np.dtype(manifest["token_dtype"]).newbyteorder("<")
 
   ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(paths))

@@ -1,4 +1,5 @@
-"""Checkpoints of the whole train state plus the grain data iterator, through orbax.
+"""Checkpoints of the whole train state plus the position of every data stream, through orbax, on a
+local disk or an object store (moejax.storage).
 
 Saves are asynchronous and keep the newest N. Restore walks back from the newest step: a checkpoint
 that cannot be read (a partial write, a corrupt file) is skipped with a warning and moved aside
@@ -10,12 +11,12 @@ starting over: that is usually a changed config, and a fresh run would bury the 
 import logging
 import time
 
-import grain
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from moejax.training.monitor import resolve_workdir
+from moejax.data.streams import StreamsCheckpointHandler, StreamsRestore, StreamsSave
+from moejax.storage import move, orbax_s3, resolve_workdir
 
 log = logging.getLogger("moejax.training.checkpoint")
 
@@ -25,15 +26,16 @@ class Manager:
     directory = resolve_workdir(directory)  # orbax refuses relative paths
     self.directory = epath.Path(directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
-                                           cleanup_tmp_directories=True)
+                                           cleanup_tmp_directories=True,
+                                           **orbax_s3.manager_options(directory))
     self._mngr = ocp.CheckpointManager(
         directory, options=options,
-        item_handlers={"state": ocp.StandardCheckpointHandler(),
-                       "data": grain.checkpoint.CheckpointHandler()})
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "data": StreamsCheckpointHandler()})
 
   def save(self, step: int, state, data_iterator) -> None:
+    """`data_iterator`: a moejax.data.streams.StreamIterator, whose streams' positions are saved."""
     self._mngr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iterator)))
+        state=ocp.args.StandardSave(state), data=StreamsSave(data_iterator)))
 
   def wait(self) -> None:
     self._mngr.wait_until_finished()
@@ -49,7 +51,7 @@ class Manager:
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             state_template)
     restored = self._mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(data_iterator)))
+        state=ocp.args.StandardRestore(abstract), data=StreamsRestore(data_iterator)))
     return restored["state"], data_iterator
 
   def restore_latest(self, state_template, iterator_for_step):
@@ -82,8 +84,7 @@ class Manager:
   def _move_aside(self, step: int) -> None:
     """Out of the manager's directory, so the step can be saved again; kept for inspection."""
     aside = self.directory.parent / f"{self.directory.name}.unreadable"
-    aside.mkdir(parents=True, exist_ok=True)
     target = aside / f"{step}-{int(time.time())}"
-    (self.directory / str(step)).rename(target)
+    move(str(self.directory / str(step)), str(target))
     log.warning("moved the unreadable checkpoint of step %d to %s", step, target)
     self._mngr.reload()

@@ -9,22 +9,23 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import time
 
 import jax
-import numpy as np
 
+from moejax import storage
 from moejax.config import passes_per_step
-from moejax.data import load_manifest, make_iterator
+from moejax.data import load_manifest, make_dataset
 from moejax.data.prepare import prepare
+from moejax.data.streams import rows_per_stream, stream_iterator
 from moejax.device_memory import DeviceOutOfMemoryError, is_out_of_memory, out_of_memory_message
 from moejax.errors import ConfigError
 from moejax.model import build_model
+from moejax.parallel import distributed
 from moejax.parallel.mesh import MESH_AXES, batch_sharding, make_mesh
 from moejax.training import checkpoint as ckpt_lib
-from moejax.training.monitor import Monitor, resolve_workdir, summary, to_row
-from moejax.training.state import init_state, state_shardings
+from moejax.training.monitor import Monitor, summary, to_row
+from moejax.training.state import init_sharded_state
 from moejax.training.step import jit_eval_step, jit_train_step
 from moejax.vision.pipeline import make_vision_dataset
 
@@ -41,35 +42,41 @@ def stage_at(stages, step: int):
   return len(stages) - 1, start - stages[-1][1]
 
 
-def _batch_iterator(config, stage, split, seed, manifest_path=None):
+def _batch_iterator(config, stage, split, seed, manifest_path, streams: int):
+  """This process's batches of `stage` (seq_len, steps, tokens): the rows of its data streams
+  (moejax.data.streams), each stream a disjoint shard of the data."""
   seq_len, _, tokens = stage
+  rows = rows_per_stream(tokens // seq_len, streams, f"a batch of stage (seq_len {seq_len}, {tokens} tokens)")
   if config.model.vision.enabled:  # rows of images and text (moejax.vision.pipeline)
-    rows, processes = tokens // seq_len, jax.process_count()
-    if rows % processes:
-      raise ConfigError(f"a batch of {rows} rows does not split over {processes} processes")
-    return iter(make_vision_dataset(config, manifest_path or prepare(config.data), split, seq_len=seq_len,
-                                    batch_size=rows // processes, seed=seed,
-                                    shard_index=jax.process_index(), shard_count=processes))
-  return make_iterator(config.data, split, seq_len, tokens // seq_len, seed, manifest_path=manifest_path)
+    make = lambda k: make_vision_dataset(config, manifest_path, split, seq_len=seq_len, batch_size=rows,
+                                         seed=seed, shard_index=k, shard_count=streams)
+  else:
+    d = config.data
+    make = lambda k: make_dataset(manifest_path, split, seq_len=seq_len, batch_size=rows, seed=seed,
+                                  shard_index=k, shard_count=streams, shuffle=split == "train",
+                                  shuffle_buffer=d.shuffle_buffer, read_threads=d.read_threads,
+                                  num_workers=d.num_workers)
+  return stream_iterator(make, streams, jax.process_index(), jax.process_count())
 
 
-def _pin_data(workdir: str, manifest_path: str, manifest: dict, resuming: bool) -> None:
-  """Records the corpus content and tokenizer that the run trains on (workdir/data.json); a resume on
-  other data (a corpus edited since, another tokenizer) is refused: the weights would read token ids
-  with other meanings, and the saved data position would index another dataset."""
+def _data_pin(manifest_path: str, manifest: dict) -> dict:
   tokenizer_file = os.path.join(os.path.dirname(manifest_path), manifest["tokenizer"]["file"])
   with open(tokenizer_file, "rb") as f:
     tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()
-  pin = {"content_sha256": manifest["content_sha256"], "tokenizer_sha256": tokenizer_sha256}
-  path = os.path.join(workdir, "data.json")
-  if resuming and os.path.exists(path):
-    with open(path) as f:
-      trained_on = json.load(f)
+  return {"content_sha256": manifest["content_sha256"], "tokenizer_sha256": tokenizer_sha256}
+
+
+def _check_data(workdir: str, pin: dict, manifest_path: str, resuming: bool) -> None:
+  """A resume on other data (a corpus edited since, another tokenizer) than workdir/data.json records
+  is refused: the weights would read token ids with other meanings, and the saved data position
+  would index another dataset."""
+  path = storage.join(workdir, "data.json")
+  if resuming and storage.exists(path):
+    trained_on = json.loads(storage.read_text(path))
     if trained_on != pin:
       raise ConfigError(f"the checkpoints in {workdir} were trained on other data ({path}: {trained_on}) "
                         f"than {manifest_path} holds now ({pin}): restore the corpus and data config, or "
                         f"start in a new workdir")
-  _write_json(path, pin)
 
 
 # What moejax.inference.load_model reads from a workdir besides the checkpoints.
@@ -79,17 +86,13 @@ CONFIG_FILE, TOKENIZER_FILE = "config.json", "tokenizer.json"
 def _save_for_inference(workdir: str, config, manifest_path: str, manifest: dict) -> None:
   """The run's validated config and its tokenizer, next to the checkpoints: a workdir alone is enough to
   load the model and generate (moejax.inference.load_model), wherever the prepared corpus lives."""
-  _write_json(os.path.join(workdir, CONFIG_FILE), config.to_dict())
-  source = os.path.join(os.path.dirname(manifest_path), manifest["tokenizer"]["file"])
-  shutil.copyfile(source, os.path.join(workdir, TOKENIZER_FILE + ".tmp"))
-  os.replace(os.path.join(workdir, TOKENIZER_FILE + ".tmp"), os.path.join(workdir, TOKENIZER_FILE))
+  _write_json(storage.join(workdir, CONFIG_FILE), config.to_dict())
+  storage.upload(os.path.join(os.path.dirname(manifest_path), manifest["tokenizer"]["file"]),
+                 storage.join(workdir, TOKENIZER_FILE))
 
 
 def _write_json(path: str, value) -> None:
-  """Written whole or not at all: a kill mid-write leaves the old file."""
-  with open(path + ".tmp", "w") as f:
-    json.dump(value, f)
-  os.replace(path + ".tmp", path)
+  storage.write_text(path, json.dumps(value))
 
 
 # Settings that order the data stream: a checkpoint's saved data position indexes the stream they made.
@@ -98,33 +101,51 @@ _STREAM_FIELDS = ("data.seed", "data.shuffle_buffer", "data.valid_fraction")
 _SCHEDULE_FIELDS = ("optim.lr", "optim.adam_lr", "optim.warmup_steps", "optim.final_lr_fraction")
 
 
-def _pin_run(workdir: str, config, stages, step: int | None) -> bool:
-  """Records the stages and the settings a resume must keep (workdir/run.json), checks a resume from
-  `step` (None: a fresh start) against them, and says whether the resumed step's data stream must
-  start afresh rather than from the checkpoint's saved position.
+def _read_run_pin(workdir: str) -> dict | None:
+  """workdir/run.json of an earlier start of the run, or None. A run.json from before data streams
+  existed was written by one process reading one stream."""
+  path = storage.join(workdir, "run.json")
+  if not storage.exists(path):
+    return None
+  before = json.loads(storage.read_text(path))
+  before.setdefault("data.streams", 1)
+  return before
+
+
+def data_streams(config, before: dict | None) -> int:
+  """The run's number of data streams (moejax.data.streams): data.streams, else the number the run
+  started with (run.json), else one per process."""
+  return config.data.streams or (before or {}).get("data.streams") or jax.process_count()
+
+
+def _check_run(workdir: str, config, stages, step: int | None, before: dict | None,
+               streams: int) -> tuple[bool, dict]:
+  """(fresh, pin): `pin` is what workdir/run.json records, the stages and the settings a resume must
+  keep; a resume from `step` (None: a fresh start) is checked against `before` (the saved run.json),
+  and `fresh` says whether the resumed step's data stream must start afresh rather than from the
+  checkpoint's saved position.
 
   Refused, with ConfigError: other stages before the one the saved run was in at `step`, another
   sequence length or batch for that one (its saved data position indexes that stream), or another
-  data order (`_STREAM_FIELDS`). Allowed: stages appended, the current one lengthened or shortened,
-  other schedule settings, with a warning where the learning-rate schedule changes (it is rebuilt for
-  the new total, so the rate from this step on is not the one the earlier run planned). Where the
-  step now falls in another stage than the saved run's (a stage appended after the run ended, or the
-  current one cut short), that stage's stream starts from its beginning (returns True)."""
-  path = os.path.join(workdir, "run.json")
+  data order (`_STREAM_FIELDS`, the number of data streams). Allowed: stages appended, the current
+  one lengthened or shortened, other schedule settings, with a warning where the learning-rate
+  schedule changes (it is rebuilt for the new total, so the rate from this step on is not the one the
+  earlier run planned), and another process count that divides the streams. Where the step now falls
+  in another stage than the saved run's (a stage appended after the run ended, or the current one
+  cut short), that stage's stream starts from its beginning (fresh)."""
+  path = storage.join(workdir, "run.json")
   get = lambda name: config[name.split(".")[0]][name.split(".")[1]]
   pin = {"stages": [list(s) for s in stages], "total_steps": sum(s[1] for s in stages),
-         **{name: get(name) for name in _STREAM_FIELDS + _SCHEDULE_FIELDS}}
+         **{name: get(name) for name in _STREAM_FIELDS + _SCHEDULE_FIELDS}, "data.streams": streams}
   fresh = False
-  if step is not None and os.path.exists(path):
-    with open(path) as f:
-      before = json.load(f)
+  if step is not None and before is not None:
     old_stages = [tuple(s) for s in before["stages"]]
     i, _ = stage_at(old_stages, step)
     kept = (len(stages) > i and old_stages[:i] == list(stages[:i])
             and (stages[i][0], stages[i][2]) == (old_stages[i][0], old_stages[i][2]))
     differences = lambda names: [f"{name}: {before.get(name)!r} -> {pin[name]!r}" for name in names
                                  if before.get(name) != pin[name]]
-    changed = differences(_STREAM_FIELDS)
+    changed = differences(_STREAM_FIELDS + ("data.streams",))
     if not kept:
       changed.insert(0, f"train.stages: {before['stages']} -> {pin['stages']} (step {step} is in stage "
                         f"{i} of the saved run: the stages before it, its sequence length and its batch "
@@ -138,17 +159,34 @@ def _pin_run(workdir: str, config, stages, step: int | None) -> bool:
                   "settings, so the rate from here on is not the one the earlier run planned", step,
                   "; ".join(moved))
     fresh = stage_at(stages, step)[0] != i
-  _write_json(path, pin)
-  return fresh
+  return fresh, pin
 
 
-def evaluate(eval_step, state, config, stage, to_device=lambda batch: batch, manifest_path=None) -> dict:
+def _prepare_once(data_cfg) -> str:
+  """The prepared corpus's manifest path. Process 0 prepares it while the others wait; they then
+  find it in a shared cache (or, on local disks, build the same bytes) and check that its content
+  is process 0's."""
+  if distributed.is_primary():
+    manifest_path = prepare(data_cfg)
+    content = load_manifest(manifest_path)["content_sha256"]
+    distributed.share("corpus", content)
+    return manifest_path
+  content = distributed.share("corpus", None)  # waits until process 0 has prepared
+  manifest_path = prepare(data_cfg)
+  if load_manifest(manifest_path)["content_sha256"] != content:
+    raise ConfigError(f"process {jax.process_index()} prepared other data ({manifest_path}) than process 0: "
+                      f"give every process the same data config and corpus")
+  return manifest_path
+
+
+def evaluate(eval_step, state, config, stage, manifest_path: str, streams: int,
+             to_device=lambda batch: batch) -> dict:
   """Validation loss over config.train.eval_batches batches of the stage's size, each taken in the
   train step's passes (train.microbatch_tokens): the forward never holds more than a pass."""
   seq_len, steps, tokens = stage
   passes = passes_per_step(seq_len, tokens, config.train.microbatch_tokens)
-  it = iter(_batch_iterator(config, (seq_len, steps, tokens // passes), "validation", config.data.seed,
-                            manifest_path))
+  it = _batch_iterator(config, (seq_len, steps, tokens // passes), "validation", config.data.seed,
+                       manifest_path, streams)
   total, count = 0.0, 0.0
   for _ in range(config.train.eval_batches * passes):
     m = eval_step(state, to_device(next(it)))
@@ -160,12 +198,17 @@ def evaluate(eval_step, state, config, stage, to_device=lambda batch: batch, man
 def run(config, workdir: str) -> dict:
   """Trains to the end of the last stage; returns the final metrics row.
 
-  `workdir` may be relative (to the current directory) or a URL (gs://, ...), which is kept as given."""
-  workdir = resolve_workdir(workdir)
+  `workdir` may be relative (to the current directory) or a URL (s3://, gs://), which is kept as given.
+  In a multi-process run (moejax.parallel.distributed) every process calls this: each reads its own
+  data streams and writes its shards of the checkpoints, and process 0 alone writes the run's other
+  files (run.json, data.json, config.json, tokenizer.json, the metrics log and TensorBoard)."""
+  workdir = storage.resolve_workdir(workdir)
   model = build_model(config)  # validates the config first
-  os.makedirs(workdir, exist_ok=True)
+  primary = distributed.is_primary()
+  if primary:
+    storage.makedirs(workdir)
   # Prepared once: every stream of the run reads these shards, even if the corpus changes meanwhile.
-  manifest_path = prepare(config.data)
+  manifest_path = _prepare_once(config.data)
   manifest = load_manifest(manifest_path)
   tokenizer_vocab = manifest["tokenizer"]["vocab_size"]
   if config.model.vocab_size < tokenizer_vocab:
@@ -178,28 +221,39 @@ def run(config, workdir: str) -> dict:
   if mesh.size < jax.device_count():
     log.warning("train.mesh %s uses %d of the %d devices; the others stay idle", dict(config.train.mesh),
                 mesh.size, jax.device_count())
-  state, optimizer, axes = init_state(model, config, jax.random.key(config.train.seed), total_steps)
-  shardings = state_shardings(state, axes, mesh)
-  state = jax.device_put(state, shardings)  # a restore comes back in the same placement
+  # A restore comes back in the same placement.
+  state, optimizer, _, shardings = init_sharded_state(model, config, jax.random.key(config.train.seed),
+                                                      total_steps, mesh)
   rows = batch_sharding(mesh)
   to_device = lambda batch: jax.tree.map(lambda x: jax.make_array_from_process_local_data(rows, x), batch)
-  manager = ckpt_lib.Manager(os.path.join(workdir, "checkpoints"), config.train.keep_checkpoints)
-  data_it = _iterator_for_step(config, stages, 0, manifest_path)
-  restored = manager.restore_latest(state, lambda s: _iterator_for_step(config, stages, s, manifest_path))
-  _pin_data(workdir, manifest_path, manifest, resuming=restored is not None)
-  _save_for_inference(workdir, config, manifest_path, manifest)
-  fresh_stream = _pin_run(workdir, config, stages, None if restored is None else int(restored[0].step))
-  if restored is not None:
+  before = _read_run_pin(workdir)
+  streams = data_streams(config, before)
+  iterator_for_step = lambda s: _iterator_for_step(config, stages, s, manifest_path, streams)
+  manager = ckpt_lib.Manager(storage.join(workdir, "checkpoints"), config.train.keep_checkpoints)
+  restored = manager.restore_latest(state, iterator_for_step)
+  data_pin = _data_pin(manifest_path, manifest)
+  _check_data(workdir, data_pin, manifest_path, resuming=restored is not None)
+  fresh_stream, run_pin = _check_run(workdir, config, stages, None if restored is None
+                                     else int(restored[0].step), before, streams)
+  distributed.barrier("moejax/run-checked")  # every process has read run.json before it is rewritten
+  if primary:
+    _write_json(storage.join(workdir, "data.json"), data_pin)
+    _save_for_inference(workdir, config, manifest_path, manifest)
+    _write_json(storage.join(workdir, "run.json"), run_pin)
+  if restored is None:
+    data_it = iterator_for_step(0)
+  else:
     state, data_it = restored
     log.info("resumed from step %d", int(state.step))
     if fresh_stream:
-      data_it = _iterator_for_step(config, stages, int(state.step), manifest_path)
+      data_it = iterator_for_step(int(state.step))
       log.info("step %d is in stage %d, where the saved run was not at this step: its stream starts afresh",
                int(state.step), stage_at(stages, int(state.step))[0])
 
   train_step = jit_train_step(model, optimizer, config, total_steps, shardings)
   eval_step = jit_eval_step(model, config)
-  monitor = Monitor(workdir, config, total_steps, start_step=int(state.step))
+  monitor = Monitor(workdir, config, total_steps, start_step=int(state.step), writes=primary,
+                    process_index=jax.process_index())
   step = int(state.step)
   stage_idx, _ = stage_at(stages, step)
   save_due = False
@@ -227,7 +281,7 @@ def run(config, workdir: str) -> dict:
     step_done, metrics, extra = done
     row = to_row(jax.device_get(metrics))
     now = time.perf_counter()
-    tokens = extra.pop("tokens")
+    tokens = row["tokens"]  # the real (not padding) tokens of the global batch
     row.update(step=step_done, **extra)
     trained["steps"] += 1
     if compiled_since is not None:
@@ -243,7 +297,8 @@ def run(config, workdir: str) -> dict:
         window.update(start=now, tokens=0.0)
     if eval_state is not None:
       running[0] = f"evaluation at step {step_done}"
-      row.update(evaluate(eval_step, eval_state, config, stages[row["stage"]], to_device, manifest_path))
+      row.update(evaluate(eval_step, eval_state, config, stages[row["stage"]], manifest_path, streams,
+                          to_device))
       log.info("step %d: validation loss %.4f (train loss %.4f)", step_done, row["val_loss"], row["loss"])
       running[0] = "the train step"
       if window["start"] is not None:
@@ -275,8 +330,7 @@ def run(config, workdir: str) -> dict:
         dispatched = time.perf_counter()
         state, m = train_step(state, to_device(batch))
         step += 1
-        extra = {"stage": stage_idx, "seq_len": stages[stage_idx][0],
-                 "tokens": float(np.sum(batch["loss_mask"] > 0))}  # real tokens, not padding
+        extra = {"stage": stage_idx, "seq_len": stages[stage_idx][0]}
         if pending is not None:
           row, pending = finish(pending), None
         evaluate_now = bool(config.train.eval_every) and step % config.train.eval_every == 0
@@ -297,15 +351,16 @@ def run(config, workdir: str) -> dict:
         if switched:
           # A new context length: same state, new data stream; the step retraces for the new shape.
           stage_idx = new_stage
-          data_it = _iterator_for_step(config, stages, step, manifest_path)
+          data_it = iterator_for_step(step)
           log.info("stage %d: seq_len=%d", stage_idx, stages[stage_idx][0])
         # A state that just skipped an update is not saved: the newest checkpoint stays a good one.
         if save_due and int(state.bad_steps) == 0:
           started = time.perf_counter()
           monitor.flush()  # the steps up to a checkpoint are never recorded again after a resume from it
           manager.save(step, state, data_it)
+          monitor.checkpoint_saved(time.perf_counter() - started)
           log.info("step %d: checkpoint to %s (written in the background)", step,
-                   os.path.join(manager.directory, str(step)))
+                   storage.join(str(manager.directory), str(step)))
           if window["start"] is not None:
             window["start"] += time.perf_counter() - started  # nor is saving
           save_due = False
@@ -327,7 +382,7 @@ def run(config, workdir: str) -> dict:
   return row
 
 
-def _iterator_for_step(config, stages, step, manifest_path=None):
-  """The train data stream of the stage that `step` falls in; stage i shuffles with data.seed + i."""
+def _iterator_for_step(config, stages, step, manifest_path, streams):
+  """The train data of the stage that `step` falls in; stage i shuffles with data.seed + i."""
   idx, _ = stage_at(stages, step)
-  return iter(_batch_iterator(config, stages[idx], "train", config.data.seed + idx, manifest_path))
+  return _batch_iterator(config, stages[idx], "train", config.data.seed + idx, manifest_path, streams)

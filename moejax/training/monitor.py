@@ -12,35 +12,30 @@ since hundreds of experts times tens of layers would swamp the scalar dashboard.
 
 A resumed run first drops what the previous process logged past the restored step (JSONL rows
 and, through TensorBoard's purge step, its events), so each step appears once.
+
+In a multi-process run only process 0 writes the log, TensorBoard and the progress bar
+(`writes=False` elsewhere). With `train.metrics_port`, every process also serves its metrics to
+Prometheus (moejax.training.prometheus), labelled by process. A workdir on an object store gets
+the log and TensorBoard through a local mirror (moejax.storage.Mirror), uploaded at each checkpoint
+and at the end.
 """
 
 import json
 import logging
 import os
-import re
 
 import numpy as np
 from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
+from moejax import storage
+from moejax.storage import resolve_workdir  # noqa: F401 - where callers have long imported it from
+from moejax.training.prometheus import MetricsExporter
+
 log = logging.getLogger("moejax.training.monitor")
 
 _LAYER_MAXVIO_SUFFIX = "/maxvio_batch"
 _MEAN_MAXVIO = "moe/maxvio_batch"
-_URL = re.compile(r"^[a-z][a-z0-9+.-]*://")
-
-
-def resolve_workdir(workdir: str) -> str:
-  """An absolute local path (~ expanded) for a local workdir; a URL (gs://, s3://, ...) unchanged.
-
-  Orbax refuses relative checkpoint paths, and a relative path would also change meaning if anything
-  changed the working directory during the run."""
-  workdir = os.fspath(workdir)
-  if _URL.match(workdir):
-    return workdir
-  return os.path.abspath(os.path.expanduser(workdir))
-
-
 def to_row(metrics) -> dict:
   """{name: float} for scalars and {name: list of floats} for arrays (flattened)."""
   row = {}
@@ -101,9 +96,9 @@ def summary(workdir: str, row: dict, last_val: dict, trained: dict, checkpoints:
            else ", no validation loss yet (train.eval_every)")
     lines.append(f"  train loss   {fmt(row['loss'])} at step {row.get('step')}{val}")
   saved = ", ".join(str(s) for s in checkpoints) or "none"
-  lines += [f"  checkpoints  {os.path.join(workdir, 'checkpoints')} (steps {saved})",
-            f"  metrics      {os.path.join(workdir, 'metrics.jsonl')}",
-            f"  TensorBoard  tensorboard --logdir {os.path.join(workdir, 'tb')}",
+  lines += [f"  checkpoints  {storage.join(workdir, 'checkpoints')} (steps {saved})",
+            f"  metrics      {storage.join(workdir, 'metrics.jsonl')}",
+            f"  TensorBoard  tensorboard --logdir {storage.join(workdir, 'tb')}",
             f"  plots        python -m moejax.report --workdir {workdir}"]
   return "\n".join(lines)
 
@@ -120,17 +115,25 @@ def worst_maxvio(row: dict) -> tuple[str, float] | None:
 
 
 class Monitor:
-  def __init__(self, workdir: str, config, total_steps: int, start_step: int = 0):
+  def __init__(self, workdir: str, config, total_steps: int, start_step: int = 0, writes: bool = True,
+               process_index: int = 0):
     self.config = config
-    jsonl = os.path.join(workdir, "metrics.jsonl")
-    _drop_rows_after(jsonl, start_step)
-    # What an earlier process of the run logged last, and its last validation ({} if none).
-    self.last_logged, self.last_val = _last_rows(jsonl)
-    # purge_step makes TensorBoard drop the earlier events at or after it: a killed run's tail.
-    self.writer = SummaryWriter(os.path.join(workdir, "tb"),
-                                purge_step=start_step + 1 if start_step else None)
-    self.jsonl = open(jsonl, "a")  # noqa: SIM115 - closed in close()
-    self.bar = tqdm(total=total_steps, initial=start_step, disable=not config.train.progress_bar,
+    self.writes = writes
+    self.last_logged, self.last_val = {}, {}
+    if writes:
+      self.mirror = storage.Mirror(workdir)
+      self.mirror.pull(["metrics.jsonl", "tb/"])
+      jsonl = os.path.join(self.mirror.local, "metrics.jsonl")
+      _drop_rows_after(jsonl, start_step)
+      # What an earlier process of the run logged last, and its last validation ({} if none).
+      self.last_logged, self.last_val = _last_rows(jsonl)
+      # purge_step makes TensorBoard drop the earlier events at or after it: a killed run's tail.
+      self.writer = SummaryWriter(os.path.join(self.mirror.local, "tb"),
+                                  purge_step=start_step + 1 if start_step else None)
+      self.jsonl = open(jsonl, "a")  # noqa: SIM115 - closed in close()
+    port = config.train.get("metrics_port", 0)
+    self.exporter = MetricsExporter(port, process_index) if port else None
+    self.bar = tqdm(total=total_steps, initial=start_step, disable=not (writes and config.train.progress_bar),
                     dynamic_ncols=True, file=None)
     self.high_maxvio_steps = 0
     self.alerts = 0
@@ -140,9 +143,12 @@ class Monitor:
     log_now = step % self.config.train.log_every == 0 or "val_loss" in row
     if "val_loss" in row:
       self.last_val = row
-    scalars = {k: v for k, v in row.items() if not isinstance(v, list)}
-    self.jsonl.write(json.dumps(row if log_now else scalars) + "\n")
-    if log_now:
+    if self.exporter is not None:
+      self.exporter.record(step, row)
+    if self.writes:
+      scalars = {k: v for k, v in row.items() if not isinstance(v, list)}
+      self.jsonl.write(json.dumps(row if log_now else scalars) + "\n")
+    if self.writes and log_now:
       for k, v in row.items():
         if isinstance(v, list):
           self.writer.add_histogram(k, np.asarray(v), step)
@@ -159,10 +165,18 @@ class Monitor:
     self._check_maxvio(step, row)
 
   def flush(self) -> None:
-    """Writes out every row recorded so far (metrics.jsonl and TensorBoard): called before each
-    checkpoint, as a run resumed from it never records those steps again."""
-    self.jsonl.flush()
-    self.writer.flush()
+    """Writes out every row recorded so far (metrics.jsonl and TensorBoard, uploaded where the workdir
+    is a URL): called before each checkpoint, as a run resumed from it never records those steps
+    again."""
+    if self.writes:
+      self.jsonl.flush()
+      self.writer.flush()
+      self.mirror.push()
+
+  def checkpoint_saved(self, seconds: float) -> None:
+    """The seconds the loop spent handing a checkpoint to orbax (its writing goes on in the background)."""
+    if self.exporter is not None:
+      self.exporter.checkpoint_saved(seconds)
 
   def _check_maxvio(self, step: int, row: dict) -> None:
     worst = worst_maxvio(row)
@@ -178,5 +192,9 @@ class Monitor:
 
   def close(self) -> None:
     self.bar.close()
-    self.writer.close()
-    self.jsonl.close()
+    if self.writes:
+      self.writer.close()
+      self.jsonl.close()
+      self.mirror.push()
+    if self.exporter is not None:
+      self.exporter.close()

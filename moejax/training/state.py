@@ -42,22 +42,41 @@ def head_matrix(params, cfg_model):
   return tied_head(params["embedding"]) if cfg_model.tie_embeddings else params["head"]
 
 
+def _state_builder(model: Transformer, config, rng: jax.Array, total_steps: int):
+  """(build, optimizer, logical_axes): `build(rng)` makes the initial TrainState; traced under jit or
+  eval_shape, it allocates nothing until compiled."""
+  boxed = jax.eval_shape(lambda r: init_variables(model, r), rng)
+  axes = logical_axes(boxed["params"])
+  optimizer = make_optimizer(config.optim, axes, total_steps)
+
+  def build(rng):
+    init_rng, state_rng = jax.random.split(rng)
+    variables = init_variables(model, init_rng)
+    params = nn.unbox(variables["params"])
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+                      balance=variables.get("balance", {}),
+                      rng=jax.random.key_data(state_rng),  # raw uint32, which checkpoints as a plain array
+                      bad_steps=jnp.zeros((), jnp.int32))
+
+  return build, optimizer, axes
+
+
 def init_state(model: Transformer, config, rng: jax.Array, total_steps: int):
   """Returns (state, optimizer, logical_axes); the state lives on the first local device."""
-  init_rng, state_rng = jax.random.split(rng)
-  state_rng = jax.random.key_data(state_rng)  # raw uint32, which checkpoints as a plain array
-  variables = init_variables(model, init_rng)
-  axes = logical_axes(variables["params"])
-  params = nn.unbox(variables["params"])
-  optimizer = make_optimizer(config.optim, axes, total_steps)
-  state = TrainState(
-      step=jnp.zeros((), jnp.int32), params=params, opt_state=jax.jit(optimizer.init)(params),
-      balance=variables.get("balance", {}), rng=state_rng,
-      bad_steps=jnp.zeros((), jnp.int32))
+  build, optimizer, axes = _state_builder(model, config, rng, total_steps)
   # Committed to the device, as a restored checkpoint is: otherwise a fresh and a resumed run lower
   # the step with different sharding annotations and each compiles it anew.
-  state = jax.device_put(state, jax.local_devices()[0])
+  state = jax.jit(build, out_shardings=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))(rng)
   return state, optimizer, axes
+
+
+def init_sharded_state(model: Transformer, config, rng: jax.Array, total_steps: int, mesh):
+  """(state, optimizer, logical_axes, shardings): the state initialised already in its place on `mesh`
+  (`state_shardings`), each device computing only its own shards, so no device or process ever holds
+  a whole copy. Equal to `init_state`'s values: the random bits do not depend on the sharding."""
+  build, optimizer, axes = _state_builder(model, config, rng, total_steps)
+  shardings = state_shardings(jax.eval_shape(build, rng), axes, mesh)
+  return jax.jit(build, out_shardings=shardings)(rng), optimizer, axes, shardings
 
 
 def shard_state(state: TrainState, axes, mesh) -> TrainState:

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 
-import grain
 import jax
 import numpy as np
 import pytest
@@ -27,6 +26,8 @@ from jax.experimental.compilation_cache import compilation_cache
 from tensorboardX.proto import event_pb2
 
 from moejax.config import base_config
+from moejax.data.prepare import prepare
+from moejax.data.streams import StreamIterator
 from moejax.errors import ConfigError
 from moejax.model import build_model
 from moejax.training import checkpoint as ckpt_lib
@@ -108,29 +109,35 @@ def compilation_cache_dir(shared):
   compilation_cache.reset_cache()
 
 
-class _Tap(grain.DatasetIterator):
+class _Tap(StreamIterator):
   """Passes batches through `fn(index, batch) -> batch`; checkpoints as its parent."""
 
   def __init__(self, parent, fn):
-    super().__init__(parent)
+    super().__init__(parent.iterators, parent.total)
     self.fn, self.index = fn, 0
 
   def __next__(self):
-    batch = self.fn(self.index, next(self._parent))
+    batch = self.fn(self.index, super().__next__())
     self.index += 1
     return batch
-
-  def get_state(self):
-    return self._parent.get_state()
-
-  def set_state(self, state):
-    self._parent.set_state(state)
 
 
 def _tap_iterators(monkeypatch, fn):
   original = loop._iterator_for_step
   monkeypatch.setattr(loop, "_iterator_for_step",
                       lambda *args: _Tap(original(*args), fn))
+
+
+def iterator_for_step(config, step, stages=STAGES):
+  """The loop's train data of `step` in a one-process run."""
+  return loop._iterator_for_step(config, [tuple(s) for s in stages], step, prepare(config.data), 1)
+
+
+def pin_run(workdir, config, stages, step, streams=1) -> bool:
+  """What the loop does with run.json at a (re)start: checks it, then rewrites it; returns `fresh`."""
+  fresh, pin = loop._check_run(workdir, config, stages, step, loop._read_run_pin(workdir), streams)
+  loop._write_json(os.path.join(workdir, "run.json"), pin)
+  return fresh
 
 
 def read_rows(workdir):
@@ -142,7 +149,7 @@ def restore_state(config, workdir, step):
   model = build_model(config)
   template, _, _ = init_state(model, config, jax.random.key(0), TOTAL)
   manager = ckpt_lib.Manager(os.path.join(workdir, "checkpoints"), 5)
-  it = loop._iterator_for_step(config, [tuple(s) for s in STAGES], step)
+  it = iterator_for_step(config, step)
   return jax.device_get(manager.restore(step, template, it)[0])
 
 
@@ -318,7 +325,7 @@ def test_resuming_on_other_data_is_refused(reference, tmp_path):
 
 def test_data_seed_orders_the_data_and_train_seed_does_not(reference):
   config = reference["config"]
-  first = lambda c: _digest(next(loop._iterator_for_step(c, [tuple(s) for s in STAGES], 0)))
+  first = lambda c: _digest(next(iterator_for_step(c, 0)))
   base = first(config)
   assert first(make_config(config.data.cache_dir, **{"train.seed": 7})) == base
   assert first(make_config(config.data.cache_dir, **{"data.seed": 7})) != base
@@ -347,7 +354,7 @@ def test_unreadable_newest_checkpoint_falls_back(reference, tmp_path, caplog, ho
   manager = ckpt_lib.Manager(str(tmp_path / "checkpoints"), 5)
   stages = [tuple(s) for s in STAGES]
   with caplog.at_level(logging.WARNING, logger="moejax.training.checkpoint"):
-    state, data_it = manager.restore_latest(template, lambda s: loop._iterator_for_step(config, stages, s))
+    state, data_it = manager.restore_latest(template, lambda s: iterator_for_step(config, s, stages))
   assert f"checkpoint at step {TOTAL} is unreadable" in caplog.text
   assert int(state.step) == 20
   assert_same_params(jax.device_get(state.params), restore_state(config, reference["workdir"], 20).params)
@@ -393,7 +400,7 @@ def test_skipped_step_leaves_the_state_unchanged(reference):
   config = reference["config"]
   model = build_model(config)
   state, optimizer, _ = init_state(model, config, jax.random.key(0), TOTAL)
-  batch = next(loop._iterator_for_step(config, [tuple(s) for s in STAGES], 0))
+  batch = next(iterator_for_step(config, 0))
   step = loop.jit_train_step(model, optimizer, config, TOTAL)
   state, _ = step(state, batch)  # one good step, so the optimizer state is not all zeros
   before = jax.device_get(state)
@@ -574,15 +581,15 @@ def test_run_on_a_data_x_expert_mesh(reference, tmp_path):
 
   manager = ckpt_lib.Manager(str(tmp_path / "mesh" / "checkpoints"), 5)
   assert manager.all_steps() == [3, 6]
-  final = jax.device_get(manager.restore(6, _mesh_template(mesh_config), loop._iterator_for_step(
-      mesh_config, [(64, 6, 512)], 6))[0].params)
+  final = jax.device_get(manager.restore(6, _mesh_template(mesh_config),
+                                         iterator_for_step(mesh_config, 6, [(64, 6, 512)]))[0].params)
   shutil.rmtree(tmp_path / "mesh" / "checkpoints" / "6")
   loop.run(mesh_config, str(tmp_path / "mesh"))
   assert_same_rows(read_rows(tmp_path / "mesh"), mesh)
   resumed = ckpt_lib.Manager(str(tmp_path / "mesh" / "checkpoints"), 5)
   template = _mesh_template(mesh_config)
   assert template.params["layer_0"]["moe"]["expert_gate"].sharding.spec[0] == "expert"
-  state = resumed.restore(6, template, loop._iterator_for_step(mesh_config, [(64, 6, 512)], 6))[0]
+  state = resumed.restore(6, template, iterator_for_step(mesh_config, 6, [(64, 6, 512)]))[0]
   assert_same_params(jax.device_get(state.params), final)
 
 
@@ -594,14 +601,14 @@ def test_run_in_passes_follows_the_one_pass_run(reference, tmp_path, monkeypatch
                "model.moe.balance": "none"}
   cache = reference["config"].data.cache_dir
   eval_rows = []
-  make_iterator = loop.make_iterator
+  make_dataset = loop.make_dataset
 
-  def recording(data_cfg, split, seq_len, rows, *args, **kwargs):
+  def recording(manifest_path, split, **kwargs):
     if split == "validation":
-      eval_rows.append(rows)
-    return make_iterator(data_cfg, split, seq_len, rows, *args, **kwargs)
+      eval_rows.append(kwargs["batch_size"])
+    return make_dataset(manifest_path, split, **kwargs)
 
-  monkeypatch.setattr(loop, "make_iterator", recording)
+  monkeypatch.setattr(loop, "make_dataset", recording)
   loop.run(make_config(cache, **overrides), str(tmp_path / "one"))
   loop.run(make_config(cache, **overrides, **{"train.microbatch_tokens": 256}), str(tmp_path / "passes"))
   assert eval_rows == [8, 8, 4, 4]
@@ -629,29 +636,31 @@ def test_resume_keeps_the_data_stream_and_warns_of_another_schedule(tmp_path, ca
   order; a step that now falls in another stage than the saved run's starts that stage afresh."""
   config, workdir = base_config(), str(tmp_path)
   first = [(64, 10, 256), (128, 10, 256)]
-  assert loop._pin_run(workdir, config, first, None) is False  # a fresh start
+  assert pin_run(workdir, config, first, None) is False  # a fresh start
   assert json.loads((tmp_path / "run.json").read_text())["stages"] == [[64, 10, 256], [128, 10, 256]]
-  assert loop._pin_run(workdir, config, first, 15) is False  # killed in stage 1, resumed as it was
+  assert pin_run(workdir, config, first, 15) is False  # killed in stage 1, resumed as it was
   with caplog.at_level(logging.WARNING, logger="moejax.train"):
-    assert loop._pin_run(workdir, config, first + [(256, 5, 512)], 15) is False  # a stage appended
+    assert pin_run(workdir, config, first + [(256, 5, 512)], 15) is False  # a stage appended
   assert "total_steps: 20 -> 25" in caplog.text
-  loop._pin_run(workdir, config, first, 15)
+  pin_run(workdir, config, first, 15)
   # The run ended (step 20) and a stage was appended: step 20 starts it, afresh.
-  assert loop._pin_run(workdir, config, first + [(256, 5, 512)], 20) is True
+  assert pin_run(workdir, config, first + [(256, 5, 512)], 20) is True
   # Stage 1 cut short: step 15 now falls in stage 2.
   cut = [(64, 10, 256), (128, 3, 256), (256, 5, 512)]
-  assert loop._pin_run(workdir, config, cut, 15) is True
+  assert pin_run(workdir, config, cut, 15) is True
   for bad in ([(64, 8, 256), (128, 5, 256), (256, 5, 512)], [(64, 10, 256), (128, 3, 512), (256, 5, 512)]):
     with pytest.raises(ConfigError, match=r"train.stages: .*step 12 is in stage 1"):
-      loop._pin_run(workdir, config, bad, 12)
+      pin_run(workdir, config, bad, 12)
   config.data.seed = 3
   with pytest.raises(ConfigError, match=r"data.seed: 0 -> 3.*delete"):
-    loop._pin_run(workdir, config, cut, 12)
+    pin_run(workdir, config, cut, 12)
   config.data.seed = 0
+  with pytest.raises(ConfigError, match=r"data.streams: 1 -> 2"):  # a data order of its own
+    pin_run(workdir, config, cut, 12, streams=2)
   config.optim.lr = 1e-4
   caplog.clear()
   with caplog.at_level(logging.WARNING, logger="moejax.train"):
-    assert loop._pin_run(workdir, config, cut, 12) is False
+    assert pin_run(workdir, config, cut, 12) is False
   assert "optim.lr: 0.003 -> 0.0001" in caplog.text
 
 
@@ -662,7 +671,8 @@ def test_a_stage_appended_after_the_end_starts_its_stream_afresh(reference, tmp_
   shutil.copy(os.path.join(reference["workdir"], "run.json"), tmp_path / "run.json")
   stages = tuple(reference["config"].train.stages) + ((128, 2, 512),)
   config = make_config(reference["config"].data.cache_dir, **{"train.stages": stages})
-  first = next(iter(loop._batch_iterator(config, stages[2], "train", config.data.seed + 2)))
+  first = next(loop._batch_iterator(config, stages[2], "train", config.data.seed + 2, prepare(config.data),
+                                    1))
   seen = []
   with caplog.at_level(logging.INFO, logger="moejax.train"):
     with pytest.MonkeyPatch.context() as mp:
