@@ -6,34 +6,11 @@ forward), without rematerialised recomputation.
 """
 
 
-def kda_forward_flops_per_token(heads: int, k_dim: int, v_dim: int, chunk: int) -> float:
-  """The chunked delta rule per token: intra-chunk scores and solve (2CK + C(K+V) + CV per token)
-  and the state products (6KV per token: the state read by w and q, and its update)."""
-  C, K, V = chunk, k_dim, v_dim
-  per_chunk = 2 * C * C * K + C * C * (K + V) + 6 * C * K * V + C * C * V
-  return heads * per_chunk / C
-
-
-def causal_attention_forward_flops_per_token(heads: int, qk_dim: int, v_dim: int,
-                                             keys_per_query: float) -> float:
-  """QK^T and PV where a query sees `keys_per_query` keys on average: (T + 1) / 2 for one causal row
-  of T tokens, fewer for packed documents (`visible_keys_per_query`)."""
-  return 2 * heads * (qk_dim + v_dim) * keys_per_query
-
-
-def visible_keys_per_query(segment_ids_BT) -> float:
-  """The mean number of keys a query attends to under causal attention within documents: a document
-  of L tokens holds L (L + 1) / 2 (query, key) pairs. What the document-attention kernels compute on
-  packed rows, where causal attention over the whole row would count pairs across documents too."""
-  import numpy as np
-
-  seg = np.asarray(segment_ids_BT)
-  starts = np.concatenate([np.ones((seg.shape[0], 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-  pairs = 0
-  for row in starts:
-    lengths = np.diff(np.append(np.flatnonzero(row), row.size))
-    pairs += int(np.sum(lengths * (lengths + 1) // 2))
-  return pairs / seg.size
+from moejax.flops import (  # noqa: F401 - the benchmarks' imports of them
+  causal_attention_forward_flops_per_token,
+  kda_forward_flops_per_token,
+  visible_keys_per_query,
+)
 
 
 def newton_schulz_flops(shapes: list[tuple[int, int, int]], steps: int = 5, symmetric: bool = False) -> float:

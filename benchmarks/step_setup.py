@@ -13,13 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.flops import (
-  causal_attention_forward_flops_per_token,
-  kda_forward_flops_per_token,
-  visible_keys_per_query,
-)
 from moejax.config import load_experiment, validate
-from moejax.layout import SCANNED, layer_kinds
+from moejax.flops import model_flops_per_token  # noqa: F401 - the benchmarks' import of it
 from moejax.parallel import mesh as meshlib
 from moejax.training.muon import matrix_sizes
 from moejax.training.optimizers import muon_dimension_numbers
@@ -91,26 +86,6 @@ def synthetic_batch(config, batch: int, seq_len: int, mean_doc: int, seed: int =
     segment_ids[b] = 1 + np.searchsorted(starts, np.arange(seq_len), side="right")
   return {"tokens": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:]),
           "segment_ids": jnp.asarray(segment_ids), "loss_mask": jnp.ones((batch, seq_len), jnp.float32)}
-
-
-def model_flops_per_token(config, params, segment_ids_BT) -> dict:
-  """Training FLOPs per token by part (3 x forward) of a batch packed as `segment_ids_BT`: MLA's
-  attention counts the (query, key) pairs within documents, which is what its kernels compute."""
-  m, e = config.model, config.model.moe
-  matmul = 0.0
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    keys = [str(getattr(k, "key", k)) for k in path]
-    if leaf.ndim - (keys[0] == SCANNED) < 2 or (keys[-1] == "embedding" and not m.tie_embeddings):
-      continue
-    share = e.top_k / e.num_experts if keys[-1].startswith("expert_") else 1.0
-    matmul += 2 * leaf.size * share
-  kinds = [mixer for mixer, _ in layer_kinds(m)]
-  kda = kinds.count("kda") * kda_forward_flops_per_token(m.kda.num_heads, m.kda.head_k_dim,
-                                                          m.kda.head_v_dim, m.kda.chunk_size)
-  mla = kinds.count("mla") * causal_attention_forward_flops_per_token(
-      m.mla.num_heads, m.mla.qk_nope_head_dim, m.mla.v_head_dim, visible_keys_per_query(segment_ids_BT))
-  parts = {"matmul weights": 3 * matmul, "KDA chunked form": 3 * kda, "MLA attention": 3 * mla}
-  return {**parts, "total": sum(parts.values())}
 
 
 def muon_matrices(config, params, axes) -> list[tuple[int, int, int]]:

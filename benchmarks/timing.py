@@ -32,17 +32,7 @@ def time_ms(fn, *args, calls=None, repeats=None, group_s=0.1, total_s=1.0) -> fl
   return statistics.median(samples)
 
 
-# Dense bf16 tensor-core peaks of the cards' data sheets (SXM parts; without sparsity), FLOP/s, by a
-# substring of jax's device_kind.
-SPEC_BF16_PEAK = {"H100": 989.4e12, "H200": 989.4e12}
-
-
-def spec_bf16_peak(device_kind: str) -> float | None:
-  """The data-sheet dense bf16 peak of a device, or None where this table does not know the card."""
-  for name, peak in SPEC_BF16_PEAK.items():
-    if name in device_kind and "PCIe" not in device_kind:
-      return peak
-  return None
+from moejax.flops import SPEC_BF16_PEAK, spec_bf16_peak  # noqa: E402,F401 - the benchmarks' imports
 
 
 def matmul_rate(n: int = 8192) -> float:

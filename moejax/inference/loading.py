@@ -17,12 +17,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from moejax import storage
 from moejax.config import base_config, validate
 from moejax.data import tokenizer as tk
 from moejax.inference.engine import Engine, bucket
 from moejax.model import Transformer, build_model, init_variables
+from moejax.storage import orbax_s3, resolve_workdir
 from moejax.training.loop import CONFIG_FILE, TOKENIZER_FILE
-from moejax.training.monitor import resolve_workdir
 
 
 class TextTokenizer:
@@ -130,12 +131,11 @@ def random_model(config: ml_collections.ConfigDict, seed: int = 0, **kwargs) -> 
 
 def read_config(workdir: str) -> ml_collections.ConfigDict:
   """The run config a training run wrote to `workdir`, validated."""
-  path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.exists(path):
+  path = storage.join(workdir, CONFIG_FILE)
+  if not storage.exists(path):
     raise FileNotFoundError(f"no {CONFIG_FILE} in {workdir}: it is not the workdir of a moejax training run "
                             f"(python -m moejax.train writes it at the start)")
-  with open(path) as f:
-    config = ml_collections.ConfigDict(json.load(f))
+  config = ml_collections.ConfigDict(json.loads(storage.read_text(path)))
   if "inference" not in config:  # a run from before the section existed
     config.inference = base_config().inference
   return validate(config)
@@ -146,18 +146,19 @@ def load_model(workdir: str, step: int | None = None, *, cache_len: int | None =
   and room for `cache_len` tokens a row (default: `default_cache_len`)."""
   workdir = resolve_workdir(workdir)
   config = read_config(workdir)
-  directory = os.path.join(workdir, "checkpoints")
+  directory = storage.join(workdir, "checkpoints")
   step = checkpoint_step(directory, step)
   restored = restore_variables(directory, build_model(config), step)
-  tokenizer_path = os.path.join(workdir, TOKENIZER_FILE)
-  tokenizer = TextTokenizer(tk.load_tokenizer(tokenizer_path))
+  mirror = storage.Mirror(workdir)  # the workdir itself, or a local copy of what is read from a URL
+  mirror.pull([TOKENIZER_FILE])
+  tokenizer = TextTokenizer(tk.load_tokenizer(os.path.join(mirror.local, TOKENIZER_FILE)))
   return from_variables(config, restored, tokenizer, step=step, cache_len=cache_len)
 
 
 def checkpoint_step(directory: str, step: int | None = None) -> int:
   """`step` if `directory` holds its checkpoint, the newest one's if step is None; else FileNotFoundError."""
   steps = sorted(int(p.name) for p in epath.Path(directory).iterdir() if p.name.isdigit()) \
-      if os.path.isdir(directory) else []
+      if epath.Path(directory).is_dir() else []
   if not steps:
     raise FileNotFoundError(f"no checkpoint in {directory}: train until the first one is saved "
                             f"(train.checkpoint_every)")
@@ -176,7 +177,9 @@ def restore_variables(directory: str, model: Transformer, step: int) -> dict:
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   on_device = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
   target = {k: jax.tree.map(on_device, nn.unbox(abstract[k])) for k in ("params", "balance") if k in abstract}
-  with ocp.CheckpointManager(directory, item_handlers={"state": ocp.PyTreeCheckpointHandler()}) as manager:
+  options = ocp.CheckpointManagerOptions(**orbax_s3.manager_options(directory))
+  with ocp.CheckpointManager(directory, options=options,
+                             item_handlers={"state": ocp.PyTreeCheckpointHandler()}) as manager:
     restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)))
   return dict(restored["state"])

@@ -20,6 +20,7 @@ from moejax.data.prepare import prepare
 from moejax.data.streams import rows_per_stream, stream_iterator
 from moejax.device_memory import DeviceOutOfMemoryError, is_out_of_memory, out_of_memory_message
 from moejax.errors import ConfigError
+from moejax.flops import model_flops_per_token, spec_bf16_peak
 from moejax.model import build_model
 from moejax.parallel import distributed
 from moejax.parallel.mesh import MESH_AXES, batch_sharding, make_mesh
@@ -266,7 +267,12 @@ def run(config, workdir: str) -> dict:
   # The throughput window: the tokens of the steps since the last measured step, and when that step
   # was read (None until a step past the compiles has been read). Compiles, evaluations and saves are
   # left out of it; `trained` adds up the windows for the closing summary.
-  window = {"start": None, "tokens": 0.0}
+  window = {"start": None, "tokens": 0.0, "flops": 0.0}
+  # MFU: the model FLOPs of the window's steps (moejax.flops: attention within documents only, counted
+  # on this process's rows) over the data-sheet peak of the mesh's cards; none where the card is unknown.
+  peak = spec_bf16_peak(mesh.devices.flat[0].device_kind)
+  param_shapes = jax.eval_shape(lambda: state.params)
+  flops_per_token = lambda segment_ids: model_flops_per_token(config, param_shapes, segment_ids)["total"]
   trained = {"steps": 0, "tokens": 0.0, "seconds": 0.0}
   row = {}
   running = ["the train step"]  # what an out-of-memory error is reported in
@@ -282,19 +288,23 @@ def run(config, workdir: str) -> dict:
     row = to_row(jax.device_get(metrics))
     now = time.perf_counter()
     tokens = row["tokens"]  # the real (not padding) tokens of the global batch
+    flops = tokens * extra.pop("flops_per_token")
     row.update(step=step_done, **extra)
     trained["steps"] += 1
     if compiled_since is not None:
       log.info("step %d: %.1f s with the compile", step_done, now - compiled_since)
-      window.update(start=now, tokens=0.0)
+      window.update(start=now, tokens=0.0, flops=0.0)
     else:
       window["tokens"] += tokens
+      window["flops"] += flops
       if measure and window["start"] is not None and now > window["start"]:
         seconds = now - window["start"]
         row["tokens_per_s"] = window["tokens"] / seconds
+        if peak is not None:
+          row["mfu"] = window["flops"] / (seconds * peak * mesh.size)
         trained["tokens"] += window["tokens"]
         trained["seconds"] += seconds
-        window.update(start=now, tokens=0.0)
+        window.update(start=now, tokens=0.0, flops=0.0)
     if eval_state is not None:
       running[0] = f"evaluation at step {step_done}"
       row.update(evaluate(eval_step, eval_state, config, stages[row["stage"]], manifest_path, streams,
@@ -330,7 +340,8 @@ def run(config, workdir: str) -> dict:
         dispatched = time.perf_counter()
         state, m = train_step(state, to_device(batch))
         step += 1
-        extra = {"stage": stage_idx, "seq_len": stages[stage_idx][0]}
+        extra = {"stage": stage_idx, "seq_len": stages[stage_idx][0],
+                 "flops_per_token": flops_per_token(batch["segment_ids"])}
         if pending is not None:
           row, pending = finish(pending), None
         evaluate_now = bool(config.train.eval_every) and step % config.train.eval_every == 0
@@ -378,7 +389,10 @@ def run(config, workdir: str) -> dict:
   finally:
     manager.wait()
     monitor.close()
-  log.info("%s", summary(workdir, row, monitor.last_val, trained, manager.all_steps(), total_steps))
+  if primary:
+    log.info("%s", summary(workdir, row, monitor.last_val, trained, manager.all_steps(), total_steps))
+  else:
+    log.info("process %d: done at step %s", jax.process_index(), row.get("step", step))
   return row
 
 

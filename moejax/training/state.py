@@ -42,10 +42,11 @@ def head_matrix(params, cfg_model):
   return tied_head(params["embedding"]) if cfg_model.tie_embeddings else params["head"]
 
 
-def _state_builder(model: Transformer, config, rng: jax.Array, total_steps: int):
-  """(build, optimizer, logical_axes): `build(rng)` makes the initial TrainState; traced under jit or
-  eval_shape, it allocates nothing until compiled."""
-  boxed = jax.eval_shape(lambda r: init_variables(model, r), rng)
+def _state_builder(model: Transformer, config, total_steps: int):
+  """(build, abstract, optimizer, logical_axes): `build(rng)` makes the initial TrainState (under jit it
+  allocates nothing until compiled); `abstract` is its shapes, from one trace of the model's init."""
+  key = jax.random.key(0)
+  boxed = jax.eval_shape(lambda r: init_variables(model, r), key)
   axes = logical_axes(boxed["params"])
   optimizer = make_optimizer(config.optim, axes, total_steps)
 
@@ -58,12 +59,24 @@ def _state_builder(model: Transformer, config, rng: jax.Array, total_steps: int)
                       rng=jax.random.key_data(state_rng),  # raw uint32, which checkpoints as a plain array
                       bad_steps=jnp.zeros((), jnp.int32))
 
-  return build, optimizer, axes
+  params = nn.unbox(boxed["params"])
+  scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  abstract = TrainState(step=scalar, params=params, opt_state=jax.eval_shape(optimizer.init, params),
+                        balance=boxed.get("balance", {}), rng=jax.eval_shape(jax.random.key_data, key),
+                        bad_steps=scalar)
+  return build, abstract, optimizer, axes
+
+
+def abstract_state(model: Transformer, config, total_steps: int):
+  """(state, optimizer, logical_axes) with the state as shapes (jax.ShapeDtypeStruct): nothing is
+  allocated, and the model's init is traced once."""
+  _, abstract, optimizer, axes = _state_builder(model, config, total_steps)
+  return abstract, optimizer, axes
 
 
 def init_state(model: Transformer, config, rng: jax.Array, total_steps: int):
   """Returns (state, optimizer, logical_axes); the state lives on the first local device."""
-  build, optimizer, axes = _state_builder(model, config, rng, total_steps)
+  build, _, optimizer, axes = _state_builder(model, config, total_steps)
   # Committed to the device, as a restored checkpoint is: otherwise a fresh and a resumed run lower
   # the step with different sharding annotations and each compiles it anew.
   state = jax.jit(build, out_shardings=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))(rng)
@@ -74,8 +87,8 @@ def init_sharded_state(model: Transformer, config, rng: jax.Array, total_steps: 
   """(state, optimizer, logical_axes, shardings): the state initialised already in its place on `mesh`
   (`state_shardings`), each device computing only its own shards, so no device or process ever holds
   a whole copy. Equal to `init_state`'s values: the random bits do not depend on the sharding."""
-  build, optimizer, axes = _state_builder(model, config, rng, total_steps)
-  shardings = state_shardings(jax.eval_shape(build, rng), axes, mesh)
+  build, abstract, optimizer, axes = _state_builder(model, config, total_steps)
+  shardings = state_shardings(abstract, axes, mesh)
   return jax.jit(build, out_shardings=shardings)(rng), optimizer, axes, shardings
 
 

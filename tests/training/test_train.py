@@ -316,7 +316,8 @@ def test_resuming_on_other_data_is_refused(reference, tmp_path):
   copy_checkpoints(reference["workdir"], tmp_path, [20])
   config = reference["config"]
   manifest_path = loop.prepare(config.data)  # pinned as the run's first start would have
-  loop._pin_data(str(tmp_path), manifest_path, loop.load_manifest(manifest_path), resuming=False)
+  pin = loop._data_pin(manifest_path, loop.load_manifest(manifest_path))
+  loop._write_json(str(tmp_path / "data.json"), pin)
   other = make_config(config.data.cache_dir, **{"data.max_bytes": 200_000})
   with pytest.raises(ConfigError, match="trained on other data"):
     loop.run(other, str(tmp_path))
