@@ -7,10 +7,12 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import sysconfig
+import time
 
 # A two-layer hybrid that compiles and steps in seconds on a CPU.
 SMALL_MODEL = {
@@ -182,3 +184,20 @@ def two_and_one(shared):
       wait_all(one, shared / "one.log")
       (shared / "runs.done").write_text("")
   return read_rows(shared / "two" / "metrics.jsonl"), read_rows(shared / "one" / "metrics.jsonl")
+
+
+def kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> bool:
+  """SIGKILLs `proc` as soon as `ready()` holds; returns whether it was still running then (False: it
+  ended, or the timeout passed, before)."""
+  try:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None and not ready():
+      time.sleep(0.02)
+    alive = proc.poll() is None and time.monotonic() < deadline
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  return alive

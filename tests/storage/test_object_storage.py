@@ -4,8 +4,6 @@ uninterrupted run on local disk; and the storage module's file operations on the
 
 import json
 import os
-import signal
-import time
 
 import numpy as np
 import pytest
@@ -83,18 +81,12 @@ def test_train_into_s3_kill_and_resume(s3, tmp_path_factory, tmp_path):
   log = tmp_path / "s3.log"
   (proc,) = runs.start_training(config, workdir, log, env=env)
   committed = f"{BUCKET}/run/checkpoints/{runs.EVERY}/commit_success.txt"
-  try:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None and not fs.exists(committed):
-      fs.invalidate_cache()
-      time.sleep(0.05)
-    alive = proc.poll() is None
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-      proc.wait()
+
+  def checkpoint_committed():
+    fs.invalidate_cache()
+    return fs.exists(committed)
+
+  alive = runs.kill_when(proc, checkpoint_committed)
   assert alive, f"the run ended before it was killed:\n{(tmp_path / 's3.log.0').read_text()[-3000:]}"
   fs.invalidate_cache()
   assert fs.exists(committed) and not fs.exists(f"{BUCKET}/run/checkpoints/{runs.STEPS}/commit_success.txt")

@@ -6,8 +6,6 @@ The persistent compilation cache is on for this module: every run retraces its s
 cache only the first run pays for XLA compilation.
 """
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -17,11 +15,11 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
 import pytest
+import runs
 from jax.experimental.compilation_cache import compilation_cache
 from tensorboardX.proto import event_pb2
 
@@ -43,14 +41,7 @@ TOTAL = 28
 MOE_LAYERS = ("layer_0", "layer_1")
 # Shared by the in-process runs and the config file of the subprocess that gets killed.
 OVERRIDES = {
-    "data.vocab_size": 300, "data.max_bytes": 300_000, "data.shuffle_buffer": 64,
-    "model.d_model": 32, "model.num_layers": 2, "model.layer_pattern": "KM", "model.num_dense_layers": 0,
-    "model.kda.num_heads": 2, "model.kda.head_k_dim": 16, "model.kda.head_v_dim": 16,
-    "model.kda.gate_rank": 8, "model.mla.num_heads": 2, "model.mla.q_lora_rank": 16,
-    "model.mla.kv_lora_rank": 16, "model.mla.qk_nope_head_dim": 16, "model.mla.v_head_dim": 16,
-    "model.attnres.block_size": 2, "model.moe.num_experts": 4, "model.moe.top_k": 2,
-    "model.moe.shared_hidden_dim": 32, "model.moe.latent_dim": 16, "model.moe.expert_hidden_dim": 16,
-    "optim.lr": 3e-3, "optim.warmup_steps": 5,
+    **runs.SMALL_MODEL,
     "train.stages": STAGES, "train.checkpoint_every": 10, "train.keep_checkpoints": 5,
     "train.eval_every": 10, "train.eval_batches": 2, "train.log_every": 1, "train.progress_bar": False,
 }
@@ -77,21 +68,8 @@ def make_config(cache_dir, **overrides):
 @pytest.fixture(scope="session")
 def shared(tmp_path_factory):
   """A folder that all xdist workers of this session see: the reference run and the caches are
-  built once (under `_locked`), not once per worker that gets some of these tests."""
-  base = tmp_path_factory.getbasetemp()
-  root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "moejax_train"
-  root.mkdir(exist_ok=True)
-  return root
-
-
-@contextlib.contextmanager
-def _locked(path):
-  with open(path, "w") as f:
-    fcntl.flock(f, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(f, fcntl.LOCK_UN)
+  built once (under `runs.locked`), not once per worker that gets some of these tests."""
+  return runs.session_folder(tmp_path_factory, "moejax_train")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -176,7 +154,7 @@ def reference(shared):
   """The uninterrupted run: 20 steps at seq_len 64, then 8 at 128; what each batch was, recorded."""
   workdir, summary = shared / "reference", shared / "reference.json"
   config = make_config(shared / "data")
-  with _locked(shared / "reference.lock"):
+  with runs.locked(shared / "reference.lock"):
     if not summary.exists():
       shutil.rmtree(workdir, ignore_errors=True)
       shapes, digests = [], []
@@ -416,29 +394,13 @@ def test_skipped_step_leaves_the_state_unchanged(reference):
   assert bool(m["finite"]) and int(m["bad_steps"]) == 0 and int(state.bad_steps) == 0
 
 
-def _write_config_file(path, cache_dir):
-  overrides = {**OVERRIDES, "data.cache_dir": str(cache_dir)}
-  path.write_text(
-      "from moejax.config import base_config\n\n\n"
-      f"OVERRIDES = {overrides!r}\n\n\n"
-      "def get_config():\n"
-      "  c = base_config()\n"
-      "  for dotted, value in OVERRIDES.items():\n"
-      "    *parents, leaf = dotted.split('.')\n"
-      "    node = c\n"
-      "    for p in parents:\n"
-      "      node = node[p]\n"
-      "    node[leaf] = value\n"
-      "  return c\n")
-
-
 def test_kill_and_resume_is_bit_exact(reference, tmp_path, caplog, compilation_cache_dir):
   """`python -m moejax.train` gets SIGKILL as soon as its checkpoint of step 10 is complete; a
   fresh `run` on the same workdir resumes there and reproduces the uninterrupted run bit for bit:
   every logged metric of every step (the killed process's steps included) and the final
   parameters. The metrics log holds each step once: the killed run's tail is dropped on resume."""
-  config_file = tmp_path / "config.py"
-  _write_config_file(config_file, reference["config"].data.cache_dir)
+  config_file = runs.write_config_file(tmp_path / "config.py", {
+      **OVERRIDES, "data.cache_dir": str(reference["config"].data.cache_dir)})
   workdir = tmp_path / "run"
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(jax.device_count()),
              JAX_COMPILATION_CACHE_DIR=compilation_cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
@@ -446,19 +408,7 @@ def test_kill_and_resume_is_bit_exact(reference, tmp_path, caplog, compilation_c
   with open(tmp_path / "stderr.txt", "w") as err:
     proc = subprocess.Popen([sys.executable, "-m", "moejax.train", f"--config={config_file}",
                              f"--workdir={workdir}"], env=env, stdout=subprocess.DEVNULL, stderr=err)
-    try:
-      deadline = time.monotonic() + 300
-      while time.monotonic() < deadline and proc.poll() is None:
-        if (workdir / "checkpoints" / "10").exists():
-          break
-        time.sleep(0.02)
-      alive = proc.poll() is None
-      proc.send_signal(signal.SIGKILL)
-      proc.wait()
-    finally:
-      if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    alive = runs.kill_when(proc, (workdir / "checkpoints" / "10").exists)
   assert alive, f"the run ended before it was killed:\n{(tmp_path / 'stderr.txt').read_text()[-3000:]}"
   killed_at = _last_logged_step(workdir)
   assert proc.returncode == -signal.SIGKILL and 10 <= killed_at < 20
@@ -610,6 +560,8 @@ def test_run_in_passes_follows_the_one_pass_run(reference, tmp_path, monkeypatch
     return make_dataset(manifest_path, split, **kwargs)
 
   monkeypatch.setattr(loop, "make_dataset", recording)
+  peak = 1e9  # as if the CPU were a card of this data-sheet peak: the rows then carry an MFU
+  monkeypatch.setattr(loop, "spec_bf16_peak", lambda device_kind: peak)
   loop.run(make_config(cache, **overrides), str(tmp_path / "one"))
   loop.run(make_config(cache, **overrides, **{"train.microbatch_tokens": 256}), str(tmp_path / "passes"))
   assert eval_rows == [8, 8, 4, 4]
@@ -619,6 +571,16 @@ def test_run_in_passes_follows_the_one_pass_run(reference, tmp_path, monkeypatch
     np.testing.assert_allclose([r[key] for r in passes], [r[key] for r in one], rtol=1e-4, err_msg=key)
   np.testing.assert_allclose([passes[i]["val_loss"] for i in (1, 3)], [one[i]["val_loss"] for i in (1, 3)],
                              rtol=1e-5)
+  # MFU = tokens/s x model FLOPs per token / (peak x devices), the FLOPs between those of rows of
+  # one-token documents and of one document a row (attention counted within documents).
+  config = make_config(cache, **overrides)
+  params = jax.eval_shape(lambda: init_state(build_model(config), config, jax.random.key(0), 4)[0].params)
+  bound = lambda seg: loop.model_flops_per_token(config, params, seg)["total"]
+  low, high = bound(np.arange(64)[None]), bound(np.ones((1, 64), np.int32))
+  measured = [r for r in one if "tokens_per_s" in r]
+  assert measured and all("mfu" in r for r in measured)
+  for r in measured:
+    assert low <= r["mfu"] * peak * 1 / r["tokens_per_s"] <= high  # a mesh of one device
 
 
 def _mesh_template(config):
