@@ -118,7 +118,8 @@ def session_folder(tmp_path_factory, name: str):
 
 
 # The runs that the multi-process and object-storage tests compare: STEPS steps, a checkpoint and an
-# evaluation every EVERY, rows split over a data axis of 2.
+# evaluation every EVERY, on two devices of an expert axis: the rows split over both, the experts too, and
+# tokens sent to their experts' devices by all-to-all (between processes where each has one device).
 STEPS, EVERY = 12, 6
 
 
@@ -127,7 +128,7 @@ def run_overrides(shared, **more):
           "data.valid_fraction": 0.2,
           "train.stages": ((64, STEPS, 512),), "train.checkpoint_every": EVERY, "train.keep_checkpoints": 5,
           "train.eval_every": EVERY, "train.eval_batches": 1, "train.log_every": 1,
-          "train.progress_bar": False, "train.mesh.data": 2, **more}
+          "train.progress_bar": False, "train.mesh.expert": 2, **more}
 
 
 def write_corpus(folder) -> list[str]:

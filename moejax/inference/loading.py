@@ -23,7 +23,7 @@ from moejax.data import tokenizer as tk
 from moejax.inference.engine import Engine, bucket
 from moejax.model import Transformer, build_model, init_variables
 from moejax.storage import orbax_s3, resolve_workdir
-from moejax.training.loop import CONFIG_FILE, TOKENIZER_FILE
+from moejax.training.run_files import CONFIG_FILE, TOKENIZER_FILE
 
 
 class TextTokenizer:

@@ -45,8 +45,8 @@ from moejax.rl.logprobs import token_logprobs
 from moejax.rl.objective import mismatch_objective, policy_objective
 from moejax.rl.rollout import Episode
 from moejax.rl.update import advantages_of, collect, episode_metrics
-from moejax.training.loop import CONFIG_FILE, TOKENIZER_FILE
 from moejax.training.monitor import Monitor, resolve_workdir, to_row
+from moejax.training.run_files import CONFIG_FILE, TOKENIZER_FILE
 from moejax.training.state import TrainState, init_state
 from moejax.training.step import jit_eval_step, jit_train_step
 

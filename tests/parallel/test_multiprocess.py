@@ -2,10 +2,11 @@
 several local processes on 127.0.0.1, each with its own CPU devices, talking through JAX's
 distributed runtime (gloo collectives).
 
-- Two processes of one device (mesh data=2) make the same losses as one process of two devices
-  on the same global batch.
-- A checkpoint of two processes resumes in one, and one of one process in two, with the data
-  position kept: the resumed steps equal the uninterrupted run's.
+- Two processes of one device make the same losses as one process of two devices on the same global
+  batch, on a mesh of 2 experts: rows split over both devices, experts too, and tokens travel to
+  their experts by all-to-all, between the processes in the first case.
+- A checkpoint of two processes resumes in one, with the data position kept: the resumed steps equal
+  the uninterrupted run's. (One process's checkpoint resumed by two: tests/storage, from a bucket.)
 - The Prometheus endpoint of each process serves the per-expert gauges during a run; killing one
   process makes the other exit non-zero within the distributed timeout.
 """
@@ -52,14 +53,11 @@ def test_two_processes_train_as_one_process_with_two_devices(shared, two_and_one
                                                                            "stream_1-of-2.json"]
 
 
-def test_checkpoints_resume_across_process_counts(shared, two_and_one):
-  """Two processes' checkpoint at step 6, resumed by one process of two devices, and the reverse."""
-  two, one = two_and_one
+def test_two_processes_checkpoint_resumes_in_one(shared, two_and_one):
+  """Two processes' checkpoint at step 6, resumed by one process of two devices."""
+  two, _ = two_and_one
   resumed_by_one = train(shared, "two_then_one", processes=1, devices=2, resume_from=shared / "two")
   assert_same_losses(resumed_by_one, two, range(1, STEPS + 1))
-  resumed_by_two = train(shared, "one_then_two", processes=2, devices=1, resume_from=shared / "one",
-                         overrides={"data.streams": 2})
-  assert_same_losses(resumed_by_two, one, range(1, STEPS + 1))
 
 
 def scrape(port: int) -> str:

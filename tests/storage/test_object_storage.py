@@ -1,6 +1,7 @@
 """Training into s3:// against a real S3 server on 127.0.0.1 (moto's server mode), data read from a
-bucket too: a run killed after a checkpoint and resumed from the bucket logs the same losses as an
-uninterrupted run on local disk; and the storage module's file operations on the bucket."""
+bucket too: a one-process run killed after a checkpoint and resumed from the bucket by two processes
+logs the same losses as an uninterrupted one-process run on local disk; and the storage module's file
+operations on the bucket."""
 
 import json
 import os
@@ -91,7 +92,9 @@ def test_train_into_s3_kill_and_resume(s3, tmp_path_factory, tmp_path):
   fs.invalidate_cache()
   assert fs.exists(committed) and not fs.exists(f"{BUCKET}/run/checkpoints/{runs.STEPS}/commit_success.txt")
 
-  runs.wait_all(runs.start_training(config, workdir, log, env=env), log)
+  # Resumed by two processes of one device each, which split the run's two data streams.
+  runs.wait_all(runs.start_training(config, workdir, log, processes=2, env=runs.train_env(1, **s3),
+                                    args=["--distributed_timeout=60"]), log)
   assert "resumed from step 6" in (tmp_path / "s3.log.0").read_text()
   fs.invalidate_cache()
   rows = [json.loads(line) for line in fs.cat_file(f"{BUCKET}/run/metrics.jsonl").splitlines()]

@@ -29,7 +29,7 @@ from moejax.data.streams import StreamIterator
 from moejax.errors import ConfigError
 from moejax.model import build_model
 from moejax.training import checkpoint as ckpt_lib
-from moejax.training import loop
+from moejax.training import loop, run_files
 from moejax.training.monitor import Monitor
 from moejax.training.optimizers import learning_rate_schedule
 from moejax.training.state import init_state
@@ -113,8 +113,8 @@ def iterator_for_step(config, step, stages=STAGES):
 
 def pin_run(workdir, config, stages, step, streams=1) -> bool:
   """What the loop does with run.json at a (re)start: checks it, then rewrites it; returns `fresh`."""
-  fresh, pin = loop._check_run(workdir, config, stages, step, loop._read_run_pin(workdir), streams)
-  loop._write_json(os.path.join(workdir, "run.json"), pin)
+  fresh, pin = run_files.check_run(workdir, config, stages, step, run_files.read_run_pin(workdir), streams)
+  run_files.write_json(os.path.join(workdir, "run.json"), pin)
   return fresh
 
 
@@ -294,8 +294,8 @@ def test_resuming_on_other_data_is_refused(reference, tmp_path):
   copy_checkpoints(reference["workdir"], tmp_path, [20])
   config = reference["config"]
   manifest_path = loop.prepare(config.data)  # pinned as the run's first start would have
-  pin = loop._data_pin(manifest_path, loop.load_manifest(manifest_path))
-  loop._write_json(str(tmp_path / "data.json"), pin)
+  pin = run_files.data_pin(manifest_path, loop.load_manifest(manifest_path))
+  run_files.write_json(str(tmp_path / "data.json"), pin)
   other = make_config(config.data.cache_dir, **{"data.max_bytes": 200_000})
   with pytest.raises(ConfigError, match="trained on other data"):
     loop.run(other, str(tmp_path))
@@ -515,35 +515,6 @@ def test_all_checkpoints_unreadable_is_an_error(reference, tmp_path):
   assert os.path.isdir(tmp_path / "checkpoints" / "10")
 
 
-def test_run_on_a_data_x_expert_mesh(reference, tmp_path):
-  """`run` with train.mesh 2 (data) x 2 (expert), 4 of the 8 CPU devices: experts are split over
-  `expert`, the losses follow the one-device run, and a restart from the mesh run's own checkpoint
-  (restored into the same placement) reproduces it bit for bit. Sign balancing, whose update is
-  exact across shards (the quantile's histogram form is tested in test_balance)."""
-  overrides = {"train.stages": ((64, 6, 512),), "train.checkpoint_every": 3, "train.eval_every": 0,
-               "model.moe.balance": "sign"}
-  cache = reference["config"].data.cache_dir
-  loop.run(make_config(cache, **overrides), str(tmp_path / "one"))
-  mesh_config = make_config(cache, **overrides, **{"train.mesh.data": 2, "train.mesh.expert": 2})
-  loop.run(mesh_config, str(tmp_path / "mesh"))
-  one, mesh = read_rows(tmp_path / "one"), read_rows(tmp_path / "mesh")
-  assert [r["step"] for r in mesh] == list(range(1, 7)) and all(r["moe/dropped"] == 0 for r in mesh)
-  np.testing.assert_allclose([r["loss"] for r in mesh], [r["loss"] for r in one], rtol=1e-4)
-
-  manager = ckpt_lib.Manager(str(tmp_path / "mesh" / "checkpoints"), 5)
-  assert manager.all_steps() == [3, 6]
-  final = jax.device_get(manager.restore(6, _mesh_template(mesh_config),
-                                         iterator_for_step(mesh_config, 6, [(64, 6, 512)]))[0].params)
-  shutil.rmtree(tmp_path / "mesh" / "checkpoints" / "6")
-  loop.run(mesh_config, str(tmp_path / "mesh"))
-  assert_same_rows(read_rows(tmp_path / "mesh"), mesh)
-  resumed = ckpt_lib.Manager(str(tmp_path / "mesh" / "checkpoints"), 5)
-  template = _mesh_template(mesh_config)
-  assert template.params["layer_0"]["moe"]["expert_gate"].sharding.spec[0] == "expert"
-  state = resumed.restore(6, template, iterator_for_step(mesh_config, 6, [(64, 6, 512)]))[0]
-  assert_same_params(jax.device_get(state.params), final)
-
-
 def test_run_in_passes_follows_the_one_pass_run(reference, tmp_path, monkeypatch):
   """`run` with train.microbatch_tokens: 8 rows a step in 2 passes of 4. Without a bias moving between
   passes (balance "none") the losses follow the one-pass run, and evaluation, which reads the
@@ -581,16 +552,6 @@ def test_run_in_passes_follows_the_one_pass_run(reference, tmp_path, monkeypatch
   assert measured and all("mfu" in r for r in measured)
   for r in measured:
     assert low <= r["mfu"] * peak * 1 / r["tokens_per_s"] <= high  # a mesh of one device
-
-
-def _mesh_template(config):
-  from moejax.parallel.mesh import make_mesh
-  from moejax.training.state import shard_state
-
-  model = build_model(config)
-  state, optimizer, axes = init_state(model, config, jax.random.key(0), 6)
-  mesh = make_mesh(**config.train.mesh, axis_types=(jax.sharding.AxisType.Auto,) * 4)
-  return shard_state(state, axes, mesh)
 
 
 def test_resume_keeps_the_data_stream_and_warns_of_another_schedule(tmp_path, caplog):
