@@ -15,6 +15,7 @@ XLA may take `moejax.device_memory.default_memory_fraction()` of the GPU.
 import logging
 import sys
 
+import jax
 from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
@@ -57,9 +58,9 @@ class _ConsoleHandler(logging.Handler):
 
 
 class _ConsoleFormatter(logging.Formatter):
-  def __init__(self, verbose: bool):
-    super().__init__("%(asctime)s %(levelname).1s %(name)s: %(message)s" if verbose
-                     else "%(asctime)s %(message)s", datefmt="%H:%M:%S")
+  def __init__(self, verbose: bool, process: str = ""):
+    super().__init__(f"%(asctime)s {process}%(levelname).1s %(name)s: %(message)s" if verbose
+                     else f"%(asctime)s {process}%(message)s", datefmt="%H:%M:%S")
     self.verbose = verbose
 
   def format(self, record):
@@ -70,14 +71,14 @@ class _ConsoleFormatter(logging.Formatter):
     return text
 
 
-def configure_console(verbose: bool) -> None:
+def configure_console(verbose: bool, process: str = "") -> None:
   """Our INFO lines and everyone's warnings on stderr in one short format; the third-party INFO
-  logs only when `verbose`."""
+  logs only when `verbose`. `process` prefixes each line (the process of a multi-process run)."""
   root = logging.getLogger()
   for handler in list(root.handlers):
     root.removeHandler(handler)  # absl's, which app.run installs, prefixes every line with file:line
   handler = _ConsoleHandler()
-  handler.setFormatter(_ConsoleFormatter(verbose))
+  handler.setFormatter(_ConsoleFormatter(verbose, process))
   root.addHandler(handler)
   root.setLevel(logging.INFO)
   level = logging.NOTSET if verbose else logging.WARNING
@@ -95,7 +96,8 @@ def main(argv, config_flag, workdir_flag, verbose_flag, cluster_flags):
              "--config (an experiment file) and --workdir (checkpoints and logs) are required")
   configure_console(verbose_flag.value)
   coordinator, num_processes, process_id, timeout = (f.value for f in cluster_flags)
-  distributed.initialize(coordinator, num_processes, process_id, timeout)
+  if distributed.initialize(coordinator, num_processes, process_id, timeout) is not None:
+    configure_console(verbose_flag.value, f"[{jax.process_index()}/{jax.process_count()}] ")
   try:
     run(config_flag.value, workdir_flag.value)  # closes with a summary of the run on the console
   except Exception as e:
