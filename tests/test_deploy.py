@@ -128,9 +128,21 @@ def test_prometheus_config_loads_the_rules():
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
-def test_promtool_accepts_the_rules():
+def test_promtool_accepts_the_rules_and_each_alert_fires_on_its_series():
+  """alerts_test.yml: each alert quiet on a healthy series and firing, with its labels and text, on a
+  bad one (a layer collapsing, a streak of skipped steps, throughput halved, steps stopping)."""
   subprocess.run(["promtool", "check", "rules", str(DEPLOY / "prometheus" / "alerts.yml")], check=True,
                  capture_output=True)
+  subprocess.run(["promtool", "test", "rules", str(DEPLOY / "prometheus" / "alerts_test.yml")], check=True,
+                 capture_output=True)
+
+
+def test_the_alert_tests_cover_every_alert():
+  rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+  tests = yaml.safe_load((DEPLOY / "prometheus" / "alerts_test.yml").read_text())
+  alerts = {r["alert"] for g in rules["groups"] for r in g["rules"]}
+  fired = {case["alertname"] for t in tests["tests"] for case in t["alert_rule_test"] if case["exp_alerts"]}
+  assert fired == alerts
 
 
 def test_dashboard_queries_use_exported_metrics():
