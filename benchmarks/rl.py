@@ -3,6 +3,7 @@ multi-turn episodes on the GPU.
 
 python -m benchmarks.rl curve [--workdir runs/rl_tiny_bench] [--out BENCHMARKS.md]
 python -m benchmarks.rl throughput [--config experiments/h200.py] [--out BENCHMARKS.md] [--smoke]
+    [--config.X=value ...]
 
 - curve: runs `python -m moejax.rl --config experiments/rl_tiny.py` from scratch in a fresh workdir
   (SFT, then GRPO), timed whole, and reads its metrics.jsonl: the held-out arithmetic pass rate after
@@ -12,7 +13,9 @@ python -m benchmarks.rl throughput [--config experiments/h200.py] [--out BENCHMA
   512-token reply (decoded, eos ignored) and a 1K-token tool result (fed), through one `Conversation`
   per batch, as `moejax.rl.rollout.play` runs them. Rollout tokens/s counts drawn tokens (and drawn +
   fed). Update tokens/s: the policy objective's train step (`moejax.rl.objective`) over the same
-  number of episodes of 8K tokens, in the config's microbatches.
+  number of episodes of 8K tokens, in the config's microbatches. Overrides (`--config.X=value`, e.g.
+  `--config.train.microbatch_tokens=16384 --config.model.remat=full`) apply to the loaded config, as
+  `benchmarks.step --set` does; the table says which were used.
 """
 
 import argparse
@@ -108,9 +111,11 @@ def curve(args) -> None:
 
 
 def throughput(args) -> None:
-  from moejax.config import load_experiment, validate
-  from moejax.inference import random_model
+  from benchmarks.step_setup import load_config
+  from moejax.config import passes_per_step
+  from moejax.device_memory import use_default_memory_fraction
   from moejax.inference.conversation import Conversation
+  from moejax.inference.loading import from_variables
   from moejax.model import build_model
   from moejax.rl.batch import update_batch
   from moejax.rl.objective import policy_objective
@@ -118,9 +123,13 @@ def throughput(args) -> None:
   from moejax.training.state import init_state
   from moejax.training.step import jit_train_step
 
-  config = validate(load_experiment(args.config))
+  # As benchmarks/step.py: XLA gets 95% of the card (unless the environment chose), not JAX's default 75%,
+  # which leaves the update step of experiments/h200.py short. Before JAX starts its backend.
+  use_default_memory_fraction()
+  overrides = [o.removeprefix("--").removeprefix("config.") for o in args.overrides]
+  path = ROOT / "experiments" / "rl_tiny.py" if args.smoke else args.config
+  config = load_config(str(path), overrides)
   if args.smoke:
-    config = validate(load_experiment(ROOT / "experiments" / "rl_tiny.py"))
     prompt, reply, result, episode, batch = 64, 16, 32, 256, 2
   else:
     if jax.default_backend() != "gpu":
@@ -131,11 +140,21 @@ def throughput(args) -> None:
 
     config.rl = rl_config()
   device = jax.devices()[0].device_kind
-  lm = random_model(config, cache_len=episode + reply)
+  # One random initialisation, the train state's, on the host CPU and then moved to the accelerator, where
+  # drawing experiments/h200.py's state takes minutes (benchmarks/step_setup.py, init_on_host, says why).
+  # The rollout's weights are its params in the model's dtype (`from_variables`, as `random_model` does).
+  model = build_model(config)
+  _log("initialising the train state on the host")
+  state, optimizer, _ = init_state(model, config, jax.random.key(0), 10, device=jax.devices("cpu")[0])
+  state = jax.device_put(state, jax.devices()[0])
+  jax.block_until_ready(state)
+  _log("initialised; building the rollout model")
+  lm = from_variables(config, {"params": state.params, "balance": state.balance}, cache_len=episode + reply)
   rng = np.random.default_rng(0)
-  ids = lambda n: rng.integers(3, lm.vocab_size, n).tolist()
+  vocab = lm.vocab_size
+  ids = lambda n: rng.integers(3, vocab, n).tolist()
 
-  def rollout():
+  def rollout(lm):
     conversation = Conversation(lm, batch, seed=0)
     transcripts = [Transcript() for _ in range(batch)]
     feeds = [ids(prompt) for _ in range(batch)]
@@ -151,31 +170,45 @@ def throughput(args) -> None:
       feeds = [ids(result) for _ in range(batch)]
     return transcripts, drawn, fed
 
-  rollout()  # compiles
+  _log("rollout: compiling (one untimed rollout)")
+  rollout(lm)  # compiles
+  _log("rollout: timing")
   start = time.perf_counter()
-  transcripts, drawn, fed = rollout()
+  transcripts, drawn, fed = rollout(lm)
   rollout_s = time.perf_counter() - start
   _log(f"rollout: {batch} episodes of {len(transcripts[0])} tokens, {drawn} drawn in {rollout_s:.2f} s")
 
-  model = build_model(config)
-  state, optimizer, _ = init_state(model, config, jax.random.key(0), 10)
+  del lm  # the rollout's weights (in the model's dtype) and cache: the update has the state's
   step = jit_train_step(model, optimizer, config, 10, loss_fn=policy_objective(config.rl.grpo))
   arrays = update_batch(transcripts, rng.normal(size=batch).tolist(), version=0, aggregation="token-mean")
   arrays = {k: jnp.asarray(v) for k, v in arrays.items()}
+  rows, row_len = arrays["tokens"].shape
+  passes = passes_per_step(row_len, rows * row_len, config.train.microbatch_tokens)
+  settings = (f"train.microbatch_tokens={config.train.microbatch_tokens} ({passes} pass"
+              f"{'es' if passes > 1 else ''} of {rows // passes} x {row_len:,} positions), "
+              f"model.remat={config.model.remat}")
+  _log(f"update: compiling, {rows} x {row_len:,} positions, {settings}")
+  start = time.perf_counter()
   state, metrics = step(state, arrays)  # compiles
   float(metrics["loss"])
+  _log(f"update: compiled and ran once in {time.perf_counter() - start:.1f} s")
   repeats = 1 if args.smoke else 3
   start = time.perf_counter()
-  for _ in range(repeats):
+  for i in range(repeats):
     state, metrics = step(state, arrays)
-  float(metrics["loss"])
+    float(metrics["loss"])
+    _log(f"update: step {i + 1}/{repeats} done at {time.perf_counter() - start:.2f} s")
   update_s = (time.perf_counter() - start) / repeats
   tokens = int(np.sum(np.asarray(arrays["segment_ids"]) > 0))
   lines = provenance(device) + [
       f"Model `{'rl_tiny.py' if args.smoke else pathlib.Path(args.config).name}` (random weights, "
       f"{config.model.dtype}); {batch} episodes of "
       f"{len(transcripts[0]):,} tokens: a {prompt:,}-token prompt, then turns of a {reply}-token reply and a "
-      f"{result:,}-token tool result.", "",
+      f"{result:,}-token tool result. XLA_PYTHON_CLIENT_MEM_FRACTION="
+      f"{os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.75 (JAX default)')}. Update: {settings}"
+      f"{'; overrides: ' + ', '.join(f'`{o}`' for o in overrides) if overrides else ''}; mean of "
+      f"{repeats} step{'s' if repeats > 1 else ''} after the compiling one; tokens count the episodes' "
+      f"predictions, not the rows' padding.", "",
       "| part | seconds | tokens | tokens/s |", "|---|---|---|---|",
       f"| rollout (drawn) | {rollout_s:.2f} | {drawn:,} | {drawn / rollout_s:,.0f} |",
       f"| rollout (drawn + fed) | {rollout_s:.2f} | {drawn + fed:,} | {(drawn + fed) / rollout_s:,.0f} |",
@@ -195,7 +228,15 @@ def main():
   t.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
   t.add_argument("--batch", type=int, default=16)
   t.add_argument("--smoke", action="store_true", help="tiny shapes (CPU); prints, writes no table")
-  args = parser.parse_args()
+  t.add_argument("overrides", nargs="*",
+                 help="--config.X=value flags for the loaded config, e.g. "
+                      "--config.train.microbatch_tokens=16384")
+  args, rest = parser.parse_known_args()
+  # argparse takes --config.X=value for an unknown option: they are the overrides.
+  unknown = [a for a in rest if not a.startswith("--config.")]
+  if unknown:
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+  args.overrides = [*args.overrides, *rest]
   curve(args) if args.part == "curve" else throughput(args)
 
 

@@ -16,6 +16,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from moejax.data.streams import StreamsCheckpointHandler, StreamsRestore, StreamsSave
+from moejax.errors import ConfigError
 from moejax.storage import move, orbax_s3, resolve_workdir
 
 log = logging.getLogger("moejax.training.checkpoint")
@@ -65,8 +66,8 @@ class Manager:
       iterator = iterator_for_step(step)  # outside the try: a data error is the run's, not the checkpoint's
       try:
         restored = self.restore(step, state_template, iterator)
-      except jax.errors.JaxRuntimeError:
-        raise  # the device's (e.g. out of memory), not the checkpoint's
+      except (jax.errors.JaxRuntimeError, ConfigError):
+        raise  # the device's (e.g. out of memory) or the run's settings', not the checkpoint's
       except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back the same way
         log.warning("checkpoint at step %d is unreadable (%s: %s); trying the previous one",
                     step, type(e).__name__, e)

@@ -117,11 +117,14 @@ def run(config, workdir: str) -> dict:
   streams = run_files.data_streams(config, before)
   iterator_for_step = lambda s: _iterator_for_step(config, stages, s, manifest_path, streams)
   manager = ckpt_lib.Manager(storage.join(workdir, "checkpoints"), config.train.keep_checkpoints)
+  # A changed data order is refused before anything is restored (and then again at the step restored).
+  run_files.check_run(workdir, config, stages, manager.latest_step(), before, streams, warn=False)
   restored = manager.restore_latest(state, iterator_for_step)
   data_pin = run_files.data_pin(manifest_path, manifest)
   run_files.check_data(workdir, data_pin, manifest_path, resuming=restored is not None)
-  fresh_stream, run_pin = run_files.check_run(workdir, config, stages, None if restored is None
-                                     else int(restored[0].step), before, streams)
+  fresh_stream, run_pin = run_files.check_run(workdir, config, stages,
+                                              None if restored is None else int(restored[0].step), before,
+                                              streams)
   distributed.barrier("moejax/run-checked")  # every process has read run.json before it is rewritten
   if primary:
     run_files.write_json(storage.join(workdir, "data.json"), data_pin)

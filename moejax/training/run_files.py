@@ -91,7 +91,7 @@ def data_streams(config, before: dict | None) -> int:
 
 
 def check_run(workdir: str, config, stages, step: int | None, before: dict | None,
-               streams: int) -> tuple[bool, dict]:
+              streams: int, warn: bool = True) -> tuple[bool, dict]:
   """(fresh, pin): `pin` is what workdir/run.json records, the stages and the settings a resume must
   keep; a resume from `step` (None: a fresh start) is checked against `before` (the saved run.json),
   and `fresh` says whether the resumed step's data stream must start afresh rather than from the
@@ -126,7 +126,7 @@ def check_run(workdir: str, config, stages, step: int | None, before: dict | Non
       raise ConfigError(f"the checkpoints in {workdir} (step {step}) were made by a run whose data stream "
                         f"this config changes: {'; '.join(changed)}. Restore those settings, start in a new "
                         f"workdir, or delete {path} to resume on the new stream all the same")
-    if moved := differences(("total_steps",) + _SCHEDULE_FIELDS):
+    if (moved := differences(("total_steps",) + _SCHEDULE_FIELDS)) and warn:
       log.warning("resuming at step %d with another learning-rate schedule (%s): it is rebuilt for the new "
                   "settings, so the rate from here on is not the one the earlier run planned", step,
                   "; ".join(moved))

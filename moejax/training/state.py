@@ -74,12 +74,14 @@ def abstract_state(model: Transformer, config, total_steps: int):
   return abstract, optimizer, axes
 
 
-def init_state(model: Transformer, config, rng: jax.Array, total_steps: int):
-  """Returns (state, optimizer, logical_axes); the state lives on the first local device."""
+def init_state(model: Transformer, config, rng: jax.Array, total_steps: int, device=None):
+  """Returns (state, optimizer, logical_axes); the state is computed on and lives on `device` (default:
+  the first local device; the host's CPU device, say, for a state too slow to draw on the GPU)."""
   build, _, optimizer, axes = _state_builder(model, config, total_steps)
   # Committed to the device, as a restored checkpoint is: otherwise a fresh and a resumed run lower
   # the step with different sharding annotations and each compiles it anew.
-  state = jax.jit(build, out_shardings=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))(rng)
+  device = jax.local_devices()[0] if device is None else device
+  state = jax.jit(build, out_shardings=jax.sharding.SingleDeviceSharding(device))(rng)
   return state, optimizer, axes
 
 

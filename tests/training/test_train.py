@@ -302,6 +302,18 @@ def test_resuming_on_other_data_is_refused(reference, tmp_path):
   assert ckpt_lib.Manager(str(tmp_path / "checkpoints"), 5).all_steps() == [20]
 
 
+def test_resuming_on_other_data_streams_is_refused_and_keeps_the_checkpoints(reference, tmp_path):
+  """The run's streams are pinned (one, the process count of its start): another count would index
+  other data. Refused before anything is restored, and the checkpoint stays where it was."""
+  copy_checkpoints(reference["workdir"], tmp_path, [20])
+  shutil.copy(os.path.join(reference["workdir"], "run.json"), tmp_path / "run.json")
+  streams = make_config(reference["config"].data.cache_dir, **{"data.streams": 2})
+  with pytest.raises(ConfigError, match=r"data.streams: 1 -> 2"):
+    loop.run(streams, str(tmp_path))
+  assert ckpt_lib.Manager(str(tmp_path / "checkpoints"), 5).all_steps() == [20]
+  assert not (tmp_path / "checkpoints.unreadable").exists()
+
+
 def test_data_seed_orders_the_data_and_train_seed_does_not(reference):
   config = reference["config"]
   first = lambda c: _digest(next(iterator_for_step(c, 0)))
@@ -551,7 +563,8 @@ def test_run_in_passes_follows_the_one_pass_run(reference, tmp_path, monkeypatch
   measured = [r for r in one if "tokens_per_s" in r]
   assert measured and all("mfu" in r for r in measured)
   for r in measured:
-    assert low <= r["mfu"] * peak * 1 / r["tokens_per_s"] <= high  # a mesh of one device
+    # A mesh of one device; rows of long documents come within float rounding of the upper bound.
+    assert low * (1 - 1e-6) <= r["mfu"] * peak * 1 / r["tokens_per_s"] <= high * (1 + 1e-6)
 
 
 def test_resume_keeps_the_data_stream_and_warns_of_another_schedule(tmp_path, caplog):
