@@ -105,3 +105,8 @@ def test_train_into_s3_kill_and_resume(s3, tmp_path_factory, tmp_path):
   assert {"run.json", "data.json", "config.json", "tokenizer.json"} <= names
   assert any(n.startswith("tb/") for n in names)
   assert f"checkpoints/{runs.STEPS}/commit_success.txt" in names
+  # The model loads from the bucket as from a local workdir.
+  from moejax.inference import load_model
+
+  lm = load_model(workdir)
+  assert lm.step == runs.STEPS and lm.tokenizer.decode(lm.tokenizer.encode("def f(x):")) == "def f(x):"
