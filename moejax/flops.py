@@ -43,6 +43,12 @@ def visible_keys_per_query(segment_ids_BT) -> float:
 def model_flops_per_token(config, params, segment_ids_BT) -> dict:
   """Training FLOPs per token by part (3 x forward) of a batch packed as `segment_ids_BT`: MLA's
   attention counts the (query, key) pairs within documents, which is what its kernels compute."""
+  return flop_counter(config, params)(segment_ids_BT)
+
+
+def flop_counter(config, params):
+  """`model_flops_per_token` with what does not depend on the batch (the weights' matmuls, KDA's
+  chunked form) counted once: a function of `segment_ids_BT`, for a loop that counts every step."""
   m, e = config.model, config.model.moe
   matmul = 0.0
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -54,10 +60,14 @@ def model_flops_per_token(config, params, segment_ids_BT) -> dict:
   kinds = [mixer for mixer, _ in layer_kinds(m)]
   kda = kinds.count("kda") * kda_forward_flops_per_token(m.kda.num_heads, m.kda.head_k_dim,
                                                           m.kda.head_v_dim, m.kda.chunk_size)
-  mla = kinds.count("mla") * causal_attention_forward_flops_per_token(
-      m.mla.num_heads, m.mla.qk_nope_head_dim, m.mla.v_head_dim, visible_keys_per_query(segment_ids_BT))
-  parts = {"matmul weights": 3 * matmul, "KDA chunked form": 3 * kda, "MLA attention": 3 * mla}
-  return {**parts, "total": sum(parts.values())}
+
+  def count(segment_ids_BT) -> dict:
+    mla = kinds.count("mla") * causal_attention_forward_flops_per_token(
+        m.mla.num_heads, m.mla.qk_nope_head_dim, m.mla.v_head_dim, visible_keys_per_query(segment_ids_BT))
+    parts = {"matmul weights": 3 * matmul, "KDA chunked form": 3 * kda, "MLA attention": 3 * mla}
+    return {**parts, "total": sum(parts.values())}
+
+  return count
 
 
 # Dense bf16 tensor-core peaks of the cards' data sheets (SXM parts; without sparsity), FLOP/s, by a

@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-from moejax.training.monitor import resolve_workdir
+from moejax.storage import resolve_workdir
 
 MAX_HEATMAPS = 8
 _MAXVIO = "/maxvio_batch"

@@ -7,7 +7,7 @@ transcripts. A run restored from it continues as the uninterrupted run would hav
 import jax
 import orbax.checkpoint as ocp
 
-from moejax.training.monitor import resolve_workdir
+from moejax.storage import resolve_workdir
 
 
 class RLCheckpoints:

@@ -13,7 +13,6 @@ rollout's, then epochs x minibatches policy updates. Every rl.eval.every iterati
 tasks are played once sampled and once greedy.
 """
 
-import json
 import logging
 import os
 import shutil
@@ -45,7 +44,9 @@ from moejax.rl.logprobs import token_logprobs
 from moejax.rl.objective import mismatch_objective, policy_objective
 from moejax.rl.rollout import Episode
 from moejax.rl.update import advantages_of, collect, episode_metrics
-from moejax.training.monitor import Monitor, resolve_workdir, to_row
+from moejax.storage import resolve_workdir
+from moejax.training import run_files
+from moejax.training.monitor import Monitor, to_row
 from moejax.training.run_files import CONFIG_FILE, TOKENIZER_FILE
 from moejax.training.state import TrainState, init_state
 from moejax.training.step import jit_eval_step, jit_train_step
@@ -86,9 +87,7 @@ def _model_and_tokenizer(config, workdir: str, init: str | None):
 
 def _write_run_files(workdir: str, config, tokenizer: TextTokenizer) -> None:
   """config.json and tokenizer.json, as a training run writes them: `load_model(workdir)` works here."""
-  with open(os.path.join(workdir, CONFIG_FILE + ".tmp"), "w") as f:
-    json.dump(config.to_dict(), f, indent=2)
-  os.replace(os.path.join(workdir, CONFIG_FILE + ".tmp"), os.path.join(workdir, CONFIG_FILE))
+  run_files.write_json(os.path.join(workdir, CONFIG_FILE), config.to_dict())
   path = os.path.join(workdir, TOKENIZER_FILE)
   if not os.path.exists(path):
     tk.save_tokenizer(tokenizer._tok, path + ".tmp")  # noqa: SLF001 - the same package's tokenizer

@@ -16,6 +16,7 @@ import hashlib
 import os
 import posixpath
 import re
+import shutil
 
 import fsspec
 
@@ -93,8 +94,7 @@ def move(source: str, target: str) -> None:
 def upload(local_path: str, path: str) -> None:
   """Copies a local file to `path` (local or URL), whole or not at all."""
   if not is_url(path):
-    with open(local_path, "rb") as src, open(path + ".tmp", "wb") as dst:
-      dst.write(src.read())
+    shutil.copyfile(local_path, path + ".tmp")
     os.replace(path + ".tmp", path)
     return
   fs, p = _fs(path)
@@ -105,11 +105,14 @@ def download(path: str, local_path: str) -> bool:
   """Copies `path` to a local file; False (and nothing written) where `path` does not exist."""
   if not exists(path):
     return False
-  os.makedirs(os.path.dirname(local_path) or ".", exist_ok=True)
-  fs, p = _fs(path)
-  fs.get_file(p, local_path + ".tmp")
-  os.replace(local_path + ".tmp", local_path)
+  _get(*_fs(path), local_path)
   return True
+
+
+def _get(fs, path: str, local_path: str) -> None:
+  os.makedirs(os.path.dirname(local_path) or ".", exist_ok=True)
+  fs.get_file(path, local_path + ".tmp")
+  os.replace(local_path + ".tmp", local_path)
 
 
 def mirror_root() -> str:
@@ -143,9 +146,8 @@ class Mirror:
       if name.endswith("/"):
         if not fs.exists(posixpath.join(root, name)):
           continue
-        for remote in fs.find(posixpath.join(root, name)):
-          relative = posixpath.relpath(remote, root)
-          download(f"{self.url.split('://')[0]}://{remote}", os.path.join(self.local, relative))
+        for remote in fs.find(posixpath.join(root, name)):  # listed, so no existence check per file
+          _get(fs, remote, os.path.join(self.local, posixpath.relpath(remote, root)))
       else:
         download(join(self.url, name), os.path.join(self.local, name))
     self._pushed = self._stamps()  # what came from the URL is there already

@@ -17,7 +17,7 @@ from moejax.data.prepare import prepare
 from moejax.data.streams import rows_per_stream, stream_iterator
 from moejax.device_memory import DeviceOutOfMemoryError, is_out_of_memory, out_of_memory_message
 from moejax.errors import ConfigError
-from moejax.flops import model_flops_per_token, spec_bf16_peak
+from moejax.flops import flop_counter, spec_bf16_peak
 from moejax.model import build_model
 from moejax.parallel import distributed
 from moejax.parallel.mesh import MESH_AXES, batch_sharding, make_mesh
@@ -160,8 +160,8 @@ def run(config, workdir: str) -> dict:
   # MFU: the model FLOPs of the window's steps (moejax.flops: attention within documents only, counted
   # on this process's rows) over the data-sheet peak of the mesh's cards; none where the card is unknown.
   peak = spec_bf16_peak(mesh.devices.flat[0].device_kind)
-  param_shapes = jax.eval_shape(lambda: state.params)
-  flops_per_token = lambda segment_ids: model_flops_per_token(config, param_shapes, segment_ids)["total"]
+  count_flops = flop_counter(config, jax.eval_shape(lambda: state.params))
+  flops_per_token = lambda segment_ids: count_flops(segment_ids)["total"]
   trained = {"steps": 0, "tokens": 0.0, "seconds": 0.0}
   row = {}
   running = ["the train step"]  # what an out-of-memory error is reported in

@@ -29,7 +29,6 @@ from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
 from moejax import storage
-from moejax.storage import resolve_workdir  # noqa: F401 - where callers have long imported it from
 from moejax.training.prometheus import MetricsExporter
 
 log = logging.getLogger("moejax.training.monitor")

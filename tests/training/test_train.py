@@ -27,6 +27,7 @@ from moejax.config import base_config
 from moejax.data.prepare import prepare
 from moejax.data.streams import StreamIterator
 from moejax.errors import ConfigError
+from moejax.flops import model_flops_per_token
 from moejax.model import build_model
 from moejax.training import checkpoint as ckpt_lib
 from moejax.training import loop, run_files
@@ -558,7 +559,7 @@ def test_run_in_passes_follows_the_one_pass_run(reference, tmp_path, monkeypatch
   # one-token documents and of one document a row (attention counted within documents).
   config = make_config(cache, **overrides)
   params = jax.eval_shape(lambda: init_state(build_model(config), config, jax.random.key(0), 4)[0].params)
-  bound = lambda seg: loop.model_flops_per_token(config, params, seg)["total"]
+  bound = lambda seg: model_flops_per_token(config, params, seg)["total"]
   low, high = bound(np.arange(64)[None]), bound(np.ones((1, 64), np.int32))
   measured = [r for r in one if "tokens_per_s" in r]
   assert measured and all("mfu" in r for r in measured)
