@@ -28,8 +28,11 @@ def replace_section(path: str, title: str, body: str, level: int = 2) -> None:
 
 
 def commit() -> str:
-  """The checkout's commit (git, else $MOEJAX_COMMIT, for a copy of the tree without its .git), with
-  "+changes" where the tracked files differ from it; "unknown" without either."""
+  """$MOEJAX_COMMIT where set (a copy of the tree, run elsewhere, whose .git may be missing or another
+  commit's), else the checkout's commit from git, with "+changes" where the tracked files differ from
+  it; "unknown" without either."""
+  if os.environ.get("MOEJAX_COMMIT"):
+    return os.environ["MOEJAX_COMMIT"][:12]
   root = pathlib.Path(__file__).resolve().parent.parent
   try:
     head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
@@ -39,7 +42,7 @@ def commit() -> str:
                             ":!benchmarks/figures"], check=False).returncode != 0
     return head + ("+changes" if dirty else "")
   except (OSError, subprocess.CalledProcessError):
-    return os.environ.get("MOEJAX_COMMIT", "unknown")
+    return "unknown"
 
 
 def provenance(device_kind: str) -> list[str]:

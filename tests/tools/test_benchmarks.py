@@ -222,6 +222,10 @@ def test_publish_writes_the_section_with_its_provenance(tmp_path, monkeypatch, c
   from benchmarks.report import provenance, publish
 
   monkeypatch.setattr(sys, "argv", ["/somewhere/benchmarks/situ_glu.py", "--out", "B.md"])
+  # A copy of the tree run elsewhere names its commit, whatever .git came along.
+  monkeypatch.setenv("MOEJAX_COMMIT", "0123456789abcdef0123")
+  assert provenance("Some GPU")[1].endswith("commit: 0123456789ab.")
+  monkeypatch.delenv("MOEJAX_COMMIT")
   lines = [*provenance("Some GPU"), "| a | b |"]
   assert lines[0] == "Command: `python -m benchmarks.situ_glu --out B.md`  "
   stamp = r"Date: 20\d\d-\d\d-\d\d, device: Some GPU, commit: ([0-9a-f]{12}(\+changes)?|unknown)\."
