@@ -59,6 +59,9 @@ def base_config() -> ml_collections.ConfigDict:
   k.head_v_dim = ml_collections.FieldReference(16, field_type=int)
   k.conv_size = 4
   k.gate_lower_bound = -5.0
+  # "bounded": g = gate_lower_bound * sigmoid(...), the design. "unbounded": the original KDA gate
+  # -exp(A_log) * softplus(...), for ablations; only implementation "recurrent" takes it.
+  k.gate = "bounded"
   k.gate_rank = 16  # low-rank width of the decay-gate and output-gate projections
   # 32: the op's forward + backward is faster than at 64 on the H200 (BENCHMARKS.md, "KDA kernel").
   k.chunk_size = 32
@@ -78,6 +81,10 @@ def base_config() -> ml_collections.ConfigDict:
   a.kv_lora_rank = 16
   a.qk_nope_head_dim = ml_collections.FieldReference(16, field_type=int)
   a.v_head_dim = ml_collections.FieldReference(16, field_type=int)
+  # 0: NoPE, the design (positions come from the KDA layers). R > 0 (even): R decoupled rotary dimensions
+  # per head, for ablations (moejax.layers.mla).
+  a.rope_head_dim = 0
+  a.rope_theta = 10000.0
   # "auto": on GPU in 16-bit, the Pallas document-attention kernels for packed rows and cuDNN for rows of
   # one document (moejax.layers.mla.GatedMLA.implementation); XLA elsewhere. "interpret" runs the Pallas
   # kernels on the CPU.
@@ -282,6 +289,10 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   need(-5.0 <= lb < 0.0,
        f"model.kda.gate_lower_bound={lb} must lie in [-5, 0): below -5 the 16-token tile exponent "
        f"exceeds fp32 range (5*15=75 < 88.7), and 0 would freeze the state")
+  need(k.gate in ("bounded", "unbounded"), f"model.kda.gate={k.gate!r} must be 'bounded' or 'unbounded'")
+  need(k.gate == "bounded" or k.implementation == "recurrent",
+       "model.kda.gate='unbounded' needs model.kda.implementation='recurrent': the chunked forms (XLA and "
+       "the kernels) factor each tile's decays, which only the bound keeps within float32")
   need(k.head_k_dim <= 256 and k.head_v_dim <= 256, "model.kda head dims must be <= 256")
   need(k.chunk_size % 16 == 0 and k.chunk_size > 0,
        f"model.kda.chunk_size={k.chunk_size} must be a positive multiple of the 16-token tile")
@@ -308,6 +319,9 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
        f"model.kda.seq_chunk={k.seq_chunk!r} must be 0 (off) or a positive multiple of "
        f"model.kda.chunk_size={k.chunk_size}")
 
+  need(isinstance(m.mla.rope_head_dim, int) and m.mla.rope_head_dim >= 0 and m.mla.rope_head_dim % 2 == 0,
+       f"model.mla.rope_head_dim={m.mla.rope_head_dim!r} must be an even integer >= 0 (0: NoPE)")
+  need(float(m.mla.rope_theta) > 0, f"model.mla.rope_theta={m.mla.rope_theta} must be positive")
   need(m.mla.attention in MLA_ATTENTIONS, f"model.mla.attention={m.mla.attention!r} not in {MLA_ATTENTIONS}")
   r = m.attnres
   need(r.mode in RESIDUAL_MODES, f"model.attnres.mode={r.mode!r} not in {RESIDUAL_MODES}")

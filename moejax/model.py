@@ -296,6 +296,8 @@ def init_variables(model: Transformer, rng: jax.Array, batch: int = 1, seq_len: 
   """
   cfg = copy.deepcopy(model.cfg.as_configdict())  # as_configdict shares the caller's config
   cfg.kda.implementation, cfg.mla.attention, cfg.moe.grouped_matmul = "xla", "xla", "xla"
+  if cfg.kda.gate == "unbounded":  # which only the recurrence takes (also plain XLA)
+    cfg.kda.implementation = "recurrent"
   cfg.kda.conv_implementation, cfg.moe.balance_implementation = "xla", "xla"
   cfg.vision.attention = "xla"
   plain = model.clone(cfg=ml_collections.FrozenConfigDict(cfg))

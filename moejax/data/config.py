@@ -8,6 +8,7 @@ import os
 
 import ml_collections
 
+from moejax.data import mqar
 from moejax.data.tokenizer import MIN_VOCAB_SIZE
 from moejax.errors import ConfigError
 
@@ -21,9 +22,11 @@ def default_cache_dir() -> str:
 
 def default_data_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  # "stdlib" (this interpreter's standard library sources, no download), or a local path, glob or
-  # fsspec URL (gs://, s3://, ...) of text files or JSONL files.
+  # "stdlib" (this interpreter's standard library sources, no download), a local path, glob or fsspec
+  # URL (gs://, s3://, ...) of text files or JSONL files, or "mqar": synthetic associative-recall rows
+  # (moejax.data.mqar, set by data.mqar; no corpus, no tokenizer).
   c.source = "stdlib"
+  c.mqar = mqar.default_mqar_config()
   c.format = "text"  # "text": one document per file | "jsonl": one document per line
   c.text_field = "text"  # the JSONL key holding the document text
   c.cache_dir = default_cache_dir()
@@ -48,6 +51,11 @@ def default_data_config() -> ml_collections.ConfigDict:
   return c
 
 
+def is_synthetic(c) -> bool:
+  """Rows drawn by a generator (data.source "mqar"), not read from a prepared corpus."""
+  return c.source == mqar.SOURCE
+
+
 def validate_data_config(c) -> None:
   """Raises ConfigError naming the offending `data.*` field."""
 
@@ -59,6 +67,9 @@ def validate_data_config(c) -> None:
   need(c.format in FORMATS, f"data.format={c.format!r} not in {FORMATS}")
   need(not (c.source == "stdlib" and c.format != "text"),
        "data.source='stdlib' reads Python files, so data.format must be 'text'")
+  if c.source == mqar.SOURCE:
+    need(not c.image_token, "data.source='mqar' has no images: data.image_token must be False")
+    mqar.validate_mqar(c.mqar, c.vocab_size)
   need(isinstance(c.image_token, bool), f"data.image_token must be True or False, got {c.image_token!r}")
   need(isinstance(c.text_field, str) and c.text_field != "", "data.text_field must be a non-empty string")
   for name in ("max_files", "max_bytes", "tokenizer_train_bytes", "shuffle_buffer", "read_threads", "streams",

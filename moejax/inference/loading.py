@@ -20,6 +20,7 @@ from etils import epath
 from moejax import storage
 from moejax.config import base_config, validate
 from moejax.data import tokenizer as tk
+from moejax.data.config import is_synthetic
 from moejax.inference.engine import Engine, bucket
 from moejax.model import Transformer, build_model, init_variables
 from moejax.storage import orbax_s3, resolve_workdir
@@ -135,23 +136,35 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
   if not storage.exists(path):
     raise FileNotFoundError(f"no {CONFIG_FILE} in {workdir}: it is not the workdir of a moejax training run "
                             f"(python -m moejax.train writes it at the start)")
-  config = ml_collections.ConfigDict(json.loads(storage.read_text(path)))
-  if "inference" not in config:  # a run from before the section existed
-    config.inference = base_config().inference
+  # A run from before a field existed gets its default, which is what that run trained with.
+  config = ml_collections.ConfigDict(_with_defaults(json.loads(storage.read_text(path)),
+                                                    base_config().to_dict()))
   return validate(config)
 
 
+def _with_defaults(saved: dict, defaults: dict) -> dict:
+  out = dict(saved)
+  for key, value in defaults.items():
+    if key not in out:
+      out[key] = value
+    elif isinstance(value, dict) and isinstance(out[key], dict):
+      out[key] = _with_defaults(out[key], value)
+  return out
+
+
 def load_model(workdir: str, step: int | None = None, *, cache_len: int | None = None) -> LanguageModel:
-  """The model of a training run's `workdir` at its newest checkpoint (or at `step`), its tokenizer,
-  and room for `cache_len` tokens a row (default: `default_cache_len`)."""
+  """The model of a training run's `workdir` at its newest checkpoint (or at `step`), its tokenizer (None
+  for a run on synthetic rows), and room for `cache_len` tokens a row (default: `default_cache_len`)."""
   workdir = resolve_workdir(workdir)
   config = read_config(workdir)
   directory = storage.join(workdir, "checkpoints")
   step = checkpoint_step(directory, step)
   restored = restore_variables(directory, build_model(config), step)
-  mirror = storage.Mirror(workdir)  # the workdir itself, or a local copy of what is read from a URL
-  mirror.pull([TOKENIZER_FILE])
-  tokenizer = TextTokenizer(tk.load_tokenizer(os.path.join(mirror.local, TOKENIZER_FILE)))
+  tokenizer = None  # a run on synthetic rows (data.source "mqar") has token ids but no text
+  if not is_synthetic(config.data):
+    mirror = storage.Mirror(workdir)  # the workdir itself, or a local copy of what is read from a URL
+    mirror.pull([TOKENIZER_FILE])
+    tokenizer = TextTokenizer(tk.load_tokenizer(os.path.join(mirror.local, TOKENIZER_FILE)))
   return from_variables(config, restored, tokenizer, step=step, cache_len=cache_len)
 
 

@@ -21,6 +21,8 @@ from pallas_kernels.kda import chunk_kda
 from pallas_kernels.kda.recurrent import recurrent_kda
 from pallas_kernels.short_conv import conv_silu
 
+GATES = ("bounded", "unbounded")
+
 
 def check_lower_bound(lb: float) -> float:
   lb = float(lb)
@@ -40,6 +42,14 @@ def bounded_decay(z_BTHK, A_log_H, dt_bias_HK, lb: float):
   a_H11 = jnp.exp(A_log_H.astype(jnp.float32))[:, None]
   s = a_H11 * (z_BTHK.astype(jnp.float32) + dt_bias_HK.astype(jnp.float32))
   return lb * jax.nn.sigmoid(s)
+
+
+def unbounded_decay(z_BTHK, A_log_H, dt_bias_HK):
+  """The original KDA gate, for ablations: g = -exp(A_log) * softplus(z + dt_bias), float32, in (-inf, 0].
+  Only the token-by-token recurrence takes it (model.kda.gate "unbounded" needs implementation
+  "recurrent"): the chunked forms factor each tile's decays, which the bound keeps within float32."""
+  a_H11 = jnp.exp(A_log_H.astype(jnp.float32))[:, None]
+  return -a_H11 * jax.nn.softplus(z_BTHK.astype(jnp.float32) + dt_bias_HK.astype(jnp.float32))
 
 
 def a_log_init(key, shape, dtype=jnp.float32):
@@ -179,6 +189,11 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None, lengths_
   kc, dtype = c.kda, jnp.dtype(c.dtype)
   K = kc.head_k_dim
   lb = check_lower_bound(kc.gate_lower_bound)
+  if kc.gate not in GATES:
+    raise ValueError(f"model.kda.gate={kc.gate!r} not in {GATES}")
+  if kc.gate == "unbounded" and kc.implementation != "recurrent":
+    raise ValueError("model.kda.gate='unbounded' needs model.kda.implementation='recurrent': the chunked "
+                     "kernels rely on the bound")
   # With a carry, the convolution reaches back into the previous piece's last w = W-1 tokens: it runs
   # over those and this piece, and the last w real tokens of that extended row are what the next piece
   # needs.
@@ -206,7 +221,8 @@ def kda_mixer(p: dict, c, x_BTD, doc_BT, carry: KDACarry | None = None, lengths_
     beta_BTH = jax.nn.sigmoid(matmul("btd,dh->bth", x_BTD, p["w_beta"], dtype).astype(jnp.float32))
     z_BTR = matmul("btd,dr->btr", x_BTD, p["w_decay_a"], dtype)
     z_BTHK = matmul("btr,rhk->bthk", z_BTR, p["w_decay_b"], dtype)
-    g_BTHK = bounded_decay(z_BTHK, p["A_log"], p["dt_bias"], lb)
+    g_BTHK = (bounded_decay(z_BTHK, p["A_log"], p["dt_bias"], lb) if kc.gate == "bounded"
+              else unbounded_decay(z_BTHK, p["A_log"], p["dt_bias"]))
   B, T = x_BTD.shape[:2]
   if lengths_B is not None:
     valid_BT = jnp.arange(T, dtype=jnp.int32)[None, :] < lengths_B[:, None]

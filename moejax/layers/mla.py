@@ -4,6 +4,12 @@ Queries and keys/values go through low-rank latents (q_lora, kv_lora), each RMS-
 per-head up-projections. There is no RoPE: position information comes from the KDA layers. An
 elementwise sigmoid gate of the layer input multiplies the attention output before W_o.
 
+For ablations, `model.mla.rope_head_dim` R > 0 adds rotary position dimensions in DeepSeek-V2's
+decoupled form: each head's query gains R dimensions from the q latent, all heads share R key
+dimensions projected from x, both rotated by the token's position within its document; the logits are
+q_nope.k_nope + q_rope.k_rope over sqrt(K + R). The decode cache then holds the rotated shared key
+beside the latent (kv_lora + R numbers a token).
+
 Training runs the whole row through one fused attention (`model.mla.attention`, see
 `GatedMLA.implementation`). Decoding (`GatedMLA.decode`)
 caches only the normalised kv latent and folds W_uk into the query and W_uv into the output, so the
@@ -16,7 +22,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from moejax.config import MLA_ATTENTIONS
-from moejax.layers.packing import Appended, document_ids_of
+from moejax.layers.packing import Appended, Packing, document_ids_of
 from moejax.nn import RMSNorm, check_input, kernel_init, logical_param, matmul
 from pallas_kernels.attention import document_attention
 
@@ -24,8 +30,21 @@ from pallas_kernels.attention import document_attention
 def init_mla_cache(cfg: ml_collections.FrozenConfigDict, batch: int, max_len: int):
   """Empty decode cache: room for the normalised kv latent of `max_len` positions per row, and how many
   of them each row has filled."""
-  return {"latent": jnp.zeros((batch, max_len, cfg.mla.kv_lora_rank), jnp.dtype(cfg.dtype)),
+  width = cfg.mla.kv_lora_rank + cfg.mla.rope_head_dim  # the latent, then the rotated shared key
+  return {"latent": jnp.zeros((batch, max_len, width), jnp.dtype(cfg.dtype)),
           "length": jnp.zeros((batch,), jnp.int32)}
+
+
+def rotate(x_BTHR, pos_BT, theta: float):
+  """Rotary position embedding of the last axis (R even; its halves rotate as pairs), at positions
+  pos_BT, in float32 and back to x's dtype. q at position i and k at j then meet through i - j alone."""
+  R = x_BTHR.shape[-1]
+  freq_F = theta ** (-jnp.arange(0, R, 2, dtype=jnp.float32) / R)
+  angle_BTF = pos_BT.astype(jnp.float32)[..., None] * freq_F
+  cos_BT1F, sin_BT1F = jnp.cos(angle_BTF)[:, :, None], jnp.sin(angle_BTF)[:, :, None]
+  a_BTHF, b_BTHF = jnp.split(x_BTHR.astype(jnp.float32), 2, axis=-1)
+  out = [a_BTHF * cos_BT1F - b_BTHF * sin_BT1F, a_BTHF * sin_BT1F + b_BTHF * cos_BT1F]
+  return jnp.concatenate(out, axis=-1).astype(x_BTHR.dtype)
 
 
 def max_logits(q_BTHK, k_BTHK, doc_BT, scale: float, chunk: int = 512):
@@ -116,7 +135,8 @@ def latent_attention(qc_BSHC, latent_BLC, pos_BS, scale: float):
 
 
 class GatedMLA(nn.Module):
-  """y = W_o( sigmoid(W_g x) * Attention_causal,per-document(q, k, v) ), NoPE.
+  """y = W_o( sigmoid(W_g x) * Attention_causal,per-document(q, k, v) ), NoPE (or with decoupled RoPE
+  dimensions where model.mla.rope_head_dim > 0, for ablations).
 
   `attention_impl` overrides `cfg.mla.attention` when given; see `implementation` for "auto".
   """
@@ -143,6 +163,9 @@ class GatedMLA(nn.Module):
     self.w_uv = param("w_uv", (C, H, V), ("kv_lora", "heads", "kv"))
     self.w_g = param("w_g", (D, H, V), ("embed", "heads", "kv"))
     self.w_o = param("w_o", (H, V, D), ("heads", "kv", "embed"), num_in_axes=2)
+    if a.rope_head_dim:
+      self.w_qr = param("w_qr", (Q, H, a.rope_head_dim), ("q_lora", "heads", "kv"))
+      self.w_kr = param("w_kr", (D, a.rope_head_dim), ("embed", "kv"))
     norm = lambda: RMSNorm(eps=c.norm_eps, dtype=self.dtype, param_dtype=pdt)
     self.q_norm = norm()
     self.kv_norm = norm()
@@ -151,10 +174,33 @@ class GatedMLA(nn.Module):
   def dtype(self):
     return jnp.dtype(self.cfg.dtype)
 
-  def queries(self, x_BTD):
-    """[B,T,H,K] queries through the normalised q latent."""
+  @property
+  def rope(self) -> int:
+    return self.cfg.mla.rope_head_dim
+
+  @property
+  def scale(self) -> float:
+    return (self.cfg.mla.qk_nope_head_dim + self.rope) ** -0.5
+
+  def queries(self, x_BTD, pos_BT=None):
+    """[B,T,H,K] queries through the normalised q latent; with RoPE, [B,T,H,K+R]: the rotated
+    dimensions after them (at positions pos_BT)."""
     cq_BTQ = self.q_norm(matmul("btd,dq->btq", x_BTD, self.w_dq, self.dtype))
-    return matmul("btq,qhk->bthk", cq_BTQ, self.w_uq, self.dtype)
+    q_BTHK = matmul("btq,qhk->bthk", cq_BTQ, self.w_uq, self.dtype)
+    if not self.rope:
+      return q_BTHK
+    qr_BTHR = rotate(matmul("btq,qhr->bthr", cq_BTQ, self.w_qr, self.dtype), pos_BT, self.cfg.mla.rope_theta)
+    return jnp.concatenate([q_BTHK, qr_BTHR], axis=-1)
+
+  def rope_key(self, x_BTD, pos_BT):
+    """[B,T,R]: the shared rotated key dimensions of RoPE."""
+    kr_BT1R = matmul("btd,dr->btr", x_BTD, self.w_kr, self.dtype)[:, :, None]
+    return rotate(kr_BT1R, pos_BT, self.cfg.mla.rope_theta)[:, :, 0]
+
+  def with_rope_key(self, k_BTHK, kr_BTR):
+    """Per-head keys [B,T,H,K+R]: the shared rotated dimensions after each head's own."""
+    kr_BTHR = jnp.broadcast_to(kr_BTR[:, :, None], (*k_BTHK.shape[:3], kr_BTR.shape[-1]))
+    return jnp.concatenate([k_BTHK, kr_BTHR.astype(k_BTHK.dtype)], axis=-1)
 
   def kv_latent(self, x_BTD):
     """[B,T,C] normalised kv latent: the only per-token state decoding keeps."""
@@ -222,17 +268,22 @@ class GatedMLA(nn.Module):
       raise ValueError("GatedMLA: tokens `Appended` to a cache need the cache")
     doc_BT = document_ids_of(packing, B, T)
     x_BTD = x_BTD.astype(self.dtype)
-    q_BTHK = self.queries(x_BTD)
+    pos_BT = None
+    if self.rope:
+      pos_BT = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if doc_BT is None
+                else Packing(doc_BT).positions_BT())
+    q_BTHK = self.queries(x_BTD, pos_BT)
     c_BTC = self.kv_latent(x_BTD)
     k_BTHK = matmul("btc,chk->bthk", c_BTC, self.w_uk, self.dtype)
     v_BTHV = matmul("btc,chv->bthv", c_BTC, self.w_uv, self.dtype)
+    if self.rope:
+      k_BTHK = self.with_rope_key(k_BTHK, self.rope_key(x_BTD, pos_BT))
 
-    K = q_BTHK.shape[-1]
     if self.is_mutable_collection("attn_stats"):  # asked for by QK-clip only
-      o_BTHV, max_H = self.attention(q_BTHK, k_BTHK, v_BTHV, doc_BT, K ** -0.5, max_logit=True)
+      o_BTHV, max_H = self.attention(q_BTHK, k_BTHK, v_BTHV, doc_BT, self.scale, max_logit=True)
       self.sow("attn_stats", "max_logit", max_H)
     else:
-      o_BTHV = self.attention(q_BTHK, k_BTHK, v_BTHV, doc_BT, K ** -0.5)
+      o_BTHV = self.attention(q_BTHK, k_BTHK, v_BTHV, doc_BT, self.scale)
     return self.gated_output(x_BTD, o_BTHV), None
 
   def decode(self, x_BSD, cache, lengths_B=None):
@@ -243,14 +294,17 @@ class GatedMLA(nn.Module):
     traced, the overflowing rows' outputs are NaN instead (their write is dropped).
 
     Scores are q^T W_uk^T c = (W_uk q)^T c and outputs W_uv^T (sum_j p_j c_j), so attention runs
-    in the kv_lora space as multi-query attention with a single latent head for keys and values.
+    in the kv_lora space as multi-query attention with a single latent head for keys and values. With
+    RoPE the cached rows are [latent | rotated shared key] and the queries [W_uk q_nope | q_rope]: one
+    dot gives both parts of the logit, and only the latent columns of the output are read.
     """
     check_input(x_BSD, self.cfg.d_model, "GatedMLA.decode")
     latent_BLC, filled_B = cache["latent"], cache["length"]
     B, S, L = x_BSD.shape[0], x_BSD.shape[1], latent_BLC.shape[1]
-    if latent_BLC.shape != (B, L, self.cfg.mla.kv_lora_rank) or filled_B.shape != (B,):
+    C = self.cfg.mla.kv_lora_rank
+    if latent_BLC.shape != (B, L, C + self.rope) or filled_B.shape != (B,):
       raise ValueError(f"GatedMLA.decode: cache latent {latent_BLC.shape} and length {filled_B.shape} do "
-                       f"not match batch {B} and kv_lora_rank {self.cfg.mla.kv_lora_rank}")
+                       f"not match batch {B} and kv_lora_rank {C} + rope_head_dim {self.rope}")
     new_B = jnp.full((B,), S, jnp.int32) if lengths_B is None else jnp.asarray(lengths_B, jnp.int32)
     end_B = filled_B + new_B
     traced = any(isinstance(a, jax.core.Tracer) for a in (filled_B, new_B))
@@ -260,16 +314,19 @@ class GatedMLA(nn.Module):
     x_BSD = x_BSD.astype(self.dtype)
     c_BSC = self.kv_latent(x_BSD)
     pos_BS = filled_B[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :]
+    row_BSW = c_BSC if not self.rope else jnp.concatenate([c_BSC, self.rope_key(x_BSD, pos_BS)], axis=-1)
     # Pads' positions, and any past the end, point outside the cache: their writes are dropped.
     write_BS = jnp.where((jnp.arange(S)[None, :] < new_B[:, None]) & (pos_BS < L), pos_BS, L)
-    latent_BLC = latent_BLC.at[jnp.arange(B)[:, None], write_BS].set(c_BSC.astype(latent_BLC.dtype),
+    latent_BLC = latent_BLC.at[jnp.arange(B)[:, None], write_BS].set(row_BSW.astype(latent_BLC.dtype),
                                                                      mode="drop")
-    q_BSHK = self.queries(x_BSD)
-    scale = self.cfg.mla.qk_nope_head_dim ** -0.5
+    q_BSHK = self.queries(x_BSD, pos_BS)
+    K = self.cfg.mla.qk_nope_head_dim
 
     def over_the_cache(_):
-      qc_BSHC = matmul("bshk,chk->bshc", q_BSHK, self.w_uk, self.dtype)
-      oc_BSHC = latent_attention(qc_BSHC, latent_BLC, pos_BS, scale)
+      qc_BSHC = matmul("bshk,chk->bshc", q_BSHK[..., :K], self.w_uk, self.dtype)
+      if self.rope:
+        qc_BSHC = jnp.concatenate([qc_BSHC, q_BSHK[..., K:].astype(qc_BSHC.dtype)], axis=-1)
+      oc_BSHC = latent_attention(qc_BSHC, latent_BLC, pos_BS, self.scale)[..., :C]
       return matmul("bshc,chv->bshv", oc_BSHC, self.w_uv, self.dtype)
 
     def within_the_piece(_):
@@ -277,8 +334,10 @@ class GatedMLA(nn.Module):
       # per-head keys and values (fewer FLOPs than the latent form at long S). Pads end the rows, so
       # causality keeps them from the real tokens.
       k_BSHK = matmul("bsc,chk->bshk", c_BSC, self.w_uk, self.dtype)
+      if self.rope:
+        k_BSHK = self.with_rope_key(k_BSHK, row_BSW[..., C:])
       v_BSHV = matmul("bsc,chv->bshv", c_BSC, self.w_uv, self.dtype)
-      return self.attention(q_BSHK, k_BSHK, v_BSHV, None, scale).astype(self.dtype)
+      return self.attention(q_BSHK, k_BSHK, v_BSHV, None, self.scale).astype(self.dtype)
 
     if S == 1:
       o_BSHV = over_the_cache(None)

@@ -12,7 +12,8 @@ import jax
 
 from moejax import storage
 from moejax.config import passes_per_step
-from moejax.data import load_manifest, make_dataset
+from moejax.data import load_manifest, make_dataset, mqar
+from moejax.data.config import is_synthetic
 from moejax.data.prepare import prepare
 from moejax.data.streams import rows_per_stream, stream_iterator
 from moejax.device_memory import DeviceOutOfMemoryError, is_out_of_memory, out_of_memory_message
@@ -37,7 +38,10 @@ def _batch_iterator(config, stage, split, seed, manifest_path, streams: int):
   (moejax.data.streams), each stream a disjoint shard of the data."""
   seq_len, _, tokens = stage
   rows = rows_per_stream(tokens // seq_len, streams, f"a batch of stage (seq_len {seq_len}, {tokens} tokens)")
-  if config.model.vision.enabled:  # rows of images and text (moejax.vision.pipeline)
+  if is_synthetic(config.data):  # rows drawn by moejax.data.mqar
+    make = lambda k: mqar.MQARIterator(config.data.mqar, seq_len=seq_len, batch_size=rows, seed=seed,
+                                       split=split, stream=k)
+  elif config.model.vision.enabled:  # rows of images and text (moejax.vision.pipeline)
     make = lambda k: make_vision_dataset(config, manifest_path, split, seq_len=seq_len, batch_size=rows,
                                          seed=seed, shard_index=k, shard_count=streams)
   else:
@@ -94,13 +98,16 @@ def run(config, workdir: str) -> dict:
   primary = distributed.is_primary()
   if primary:
     storage.makedirs(workdir)
-  # Prepared once: every stream of the run reads these shards, even if the corpus changes meanwhile.
-  manifest_path = _prepare_once(config.data)
-  manifest = load_manifest(manifest_path)
-  tokenizer_vocab = manifest["tokenizer"]["vocab_size"]
-  if config.model.vocab_size < tokenizer_vocab:
-    raise ConfigError(f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
-                      f"{tokenizer_vocab} ids")
+  if is_synthetic(config.data):  # nothing to prepare: the rows are drawn as the run reads them
+    manifest_path = manifest = None
+  else:
+    # Prepared once: every stream of the run reads these shards, even if the corpus changes meanwhile.
+    manifest_path = _prepare_once(config.data)
+    manifest = load_manifest(manifest_path)
+    tokenizer_vocab = manifest["tokenizer"]["vocab_size"]
+    if config.model.vocab_size < tokenizer_vocab:
+      raise ConfigError(f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
+                        f"{tokenizer_vocab} ids")
   stages = [tuple(s) for s in config.train.stages]
   total_steps = sum(s[1] for s in stages)
 
@@ -120,7 +127,7 @@ def run(config, workdir: str) -> dict:
   # A changed data order is refused before anything is restored (and then again at the step restored).
   run_files.check_run(workdir, config, stages, manager.latest_step(), before, streams, warn=False)
   restored = manager.restore_latest(state, iterator_for_step)
-  data_pin = run_files.data_pin(manifest_path, manifest)
+  data_pin = run_files.data_pin(manifest_path, manifest, config.data)
   run_files.check_data(workdir, data_pin, manifest_path, resuming=restored is not None)
   fresh_stream, run_pin = run_files.check_run(workdir, config, stages,
                                               None if restored is None else int(restored[0].step), before,

@@ -31,7 +31,11 @@ def stage_at(stages, step: int):
   return len(stages) - 1, start - stages[-1][1]
 
 
-def data_pin(manifest_path: str, manifest: dict) -> dict:
+def data_pin(manifest_path: str | None, manifest: dict | None, data_cfg) -> dict:
+  """What the run's data is: the prepared corpus's content and tokenizer hashes, or a synthetic source's
+  settings (manifest None)."""
+  if manifest is None:
+    return {"synthetic": data_cfg.source, "settings": data_cfg[data_cfg.source].to_dict()}
   tokenizer_file = os.path.join(os.path.dirname(manifest_path), manifest["tokenizer"]["file"])
   with open(tokenizer_file, "rb") as f:
     tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()
@@ -55,10 +59,13 @@ def check_data(workdir: str, pin: dict, manifest_path: str, resuming: bool) -> N
 CONFIG_FILE, TOKENIZER_FILE = "config.json", "tokenizer.json"
 
 
-def save_for_inference(workdir: str, config, manifest_path: str, manifest: dict) -> None:
+def save_for_inference(workdir: str, config, manifest_path: str | None, manifest: dict | None) -> None:
   """The run's validated config and its tokenizer, next to the checkpoints: a workdir alone is enough to
-  load the model and generate (moejax.inference.load_model), wherever the prepared corpus lives."""
+  load the model and generate (moejax.inference.load_model), wherever the prepared corpus lives. A
+  synthetic source (manifest None) has no tokenizer."""
   write_json(storage.join(workdir, CONFIG_FILE), config.to_dict())
+  if manifest is None:
+    return
   storage.upload(os.path.join(os.path.dirname(manifest_path), manifest["tokenizer"]["file"]),
                  storage.join(workdir, TOKENIZER_FILE))
 

@@ -63,9 +63,23 @@ def reference(params, x, seg, cfg, xp=np):
   c = rms(xp.einsum("btd,dc->btc", x, p["w_dkv"]), p["kv_norm"]["scale"])
   k = xp.einsum("btc,chk->bthk", c, p["w_uk"])
   v = xp.einsum("btc,chv->bthv", c, p["w_uv"])
-  logits = xp.einsum("bthk,bshk->bhts", q, k) * a.qk_nope_head_dim ** -0.5
   T = x.shape[1]
   doc = doc_index(seg if seg is not None else np.zeros(x.shape[:2], np.int32))
+  logits = xp.einsum("bthk,bshk->bhts", q, k)
+  R = a.rope_head_dim
+  if R:  # decoupled RoPE: rotated query dims per head, one rotated key shared by the heads
+    pos = np.stack([np.arange(T) - np.searchsorted(d, d) for d in doc])  # position within the document
+    angle = pos[..., None] * a.rope_theta ** (-np.arange(0, R, 2) / R)  # [B,T,R/2]
+
+    def rot(z, angle):
+      c, s = xp.cos(angle), xp.sin(angle)
+      z1, z2 = z[..., :R // 2], z[..., R // 2:]
+      return xp.concatenate([z1 * c - z2 * s, z1 * s + z2 * c], axis=-1)
+
+    qr = rot(xp.einsum("btq,qhr->bthr", cq, p["w_qr"]), angle[:, :, None])
+    kr = rot(xp.einsum("btd,dr->btr", x, p["w_kr"]), angle)
+    logits = logits + xp.einsum("bthr,bsr->bhts", qr, kr)
+  logits = logits * (a.qk_nope_head_dim + R) ** -0.5
   allowed = np.tril(np.ones((T, T), bool))[None, None] & (doc[:, None, :, None] == doc[:, None, None, :])
   logits = xp.where(allowed, logits, -np.inf)
   e = xp.exp(logits - xp.max(logits, axis=-1, keepdims=True))
@@ -221,6 +235,50 @@ def test_decode_matches_training_path(prefill):
   assert cache["latent"].shape == (2, 12, cfg.mla.kv_lora_rank)
   np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, axis=1)), np.asarray(y), rtol=1e-5,
                              atol=1e-5)
+
+
+def test_rope_matches_float64_reference_on_packed_rows():
+  """Decoupled RoPE (an ablation of the NoPE design): positions restart in every document."""
+  cfg = make_cfg(rope_head_dim=8, rope_theta=100.0)
+  layer, params, x = setup_layer(cfg, B=2, T=11, seed=4)
+  seg = np.array([[0] * 4 + [1] * 7, [5] * 11], np.int32)
+  y = jax.jit(lambda p, x, s: layer.apply({"params": p}, x, s)[0])(params, x, jnp.asarray(seg))
+  want, _ = reference(to64(params), np.asarray(x, np.float64), seg, cfg)
+  np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-5)
+  # Unlike NoPE, a document's outputs depend on its tokens' order only through relative positions:
+  # the same document at the start of a row and after another one gives the same outputs.
+  y_alone = jax.jit(lambda p, x: layer.apply({"params": p}, x)[0])(params, x[:, 4:])
+  np.testing.assert_allclose(np.asarray(y[0, 4:]), np.asarray(y_alone[0]), rtol=1e-5, atol=1e-6)
+
+
+def test_rope_decode_matches_training_path():
+  cfg = make_cfg(rope_head_dim=4)
+  layer, params, x = setup_layer(cfg, B=2, T=9, seed=6)
+  y = jax.jit(lambda p, x: layer.apply({"params": p}, x)[0])(params, x)
+  step = jax.jit(lambda x, cache: layer.apply({"params": params}, x, cache, method="decode"))
+  cache = init_mla_cache(cfg, batch=2, max_len=16)
+  assert cache["latent"].shape == (2, 16, cfg.mla.kv_lora_rank + 4)
+  outs = []
+  # a piece at the start of the rows, a piece over the cache, then single steps
+  for a, b in ((0, 5), (5, 7), (7, 8), (8, 9)):
+    out, cache = step(x[:, a:b], cache)
+    outs.append(out)
+  np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, axis=1)), np.asarray(y), rtol=1e-5, atol=1e-5)
+
+
+@hypothesis.settings(max_examples=20, deadline=None)
+@hypothesis.given(i=st.integers(0, 5000), j=st.integers(0, 5000), shift=st.integers(-3000, 3000),
+                  seed=st.integers(0, 1000))
+def test_rotary_logits_depend_on_relative_position_only(i, j, shift, seed):
+  from moejax.layers.mla import rotate
+
+  rng = np.random.default_rng(seed)
+  q, k = (jnp.asarray(rng.standard_normal((1, 1, 1, 8)), jnp.float32) for _ in range(2))
+  at = lambda z, p: rotate(z, jnp.full((1, 1), p, jnp.int32), 10000.0)[0, 0, 0]
+  shift = max(shift, -min(i, j))
+  a = float(jnp.dot(at(q, i), at(k, j)))
+  b = float(jnp.dot(at(q, i + shift), at(k, j + shift)))
+  np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3)
 
 
 def test_decode_rejects_cache_overflow():

@@ -295,7 +295,7 @@ def test_resuming_on_other_data_is_refused(reference, tmp_path):
   copy_checkpoints(reference["workdir"], tmp_path, [20])
   config = reference["config"]
   manifest_path = loop.prepare(config.data)  # pinned as the run's first start would have
-  pin = run_files.data_pin(manifest_path, loop.load_manifest(manifest_path))
+  pin = run_files.data_pin(manifest_path, loop.load_manifest(manifest_path), config.data)
   run_files.write_json(str(tmp_path / "data.json"), pin)
   other = make_config(config.data.cache_dir, **{"data.max_bytes": 200_000})
   with pytest.raises(ConfigError, match="trained on other data"):
