@@ -24,12 +24,14 @@ import pathlib
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# id: (the table's name, overrides of experiments/mqar_tiny.py)
 VARIANTS = {
-    "hybrid (NoPE MLA)": {},
-    "hybrid, MLA with RoPE": {"model.mla.rope_head_dim": 8},
-    "KDA only": {"model.layer_pattern": "K"},
-    "MLA only (NoPE)": {"model.layer_pattern": "M"},
-    "hybrid, unbounded KDA gate": {"model.kda.gate": "unbounded", "model.kda.implementation": "recurrent"},
+    "nope": ("hybrid (NoPE MLA)", {}),
+    "rope": ("hybrid, MLA with RoPE", {"model.mla.rope_head_dim": 8}),
+    "kda": ("KDA only", {"model.layer_pattern": "K"}),
+    "mla": ("MLA only (NoPE)", {"model.layer_pattern": "M"}),
+    "unbounded": ("hybrid, unbounded KDA gate", {"model.kda.gate": "unbounded",
+                                                 "model.kda.implementation": "recurrent"}),
 }
 
 
@@ -61,7 +63,8 @@ def recall(args) -> tuple[list[str], list]:
   from moejax.training.loop import run
 
   rows = []
-  for name, overrides in VARIANTS.items():
+  for variant in args.variants:
+    name, overrides = VARIANTS[variant]
     c = load_experiment(ROOT / "experiments" / "mqar_tiny.py")
     seq_len, _, tokens = c.train.stages[0]
     c.train.stages = ((seq_len, args.steps, tokens),)
@@ -73,7 +76,7 @@ def recall(args) -> tuple[list[str], list]:
       c.model.kda.implementation = "xla"  # the tiny model's head widths are below the kernels' tiles
     for key, value in overrides.items():
       _set(c, key, value)
-    workdir = os.path.join(args.workdir, "".join(ch if ch.isalnum() else "_" for ch in name))
+    workdir = os.path.join(args.workdir, variant)
     _log(f"{name}: training {args.steps} steps in {workdir}")
     started = time.perf_counter()
     final = run(c, workdir)
@@ -169,6 +172,8 @@ def main():
                       help="recall: evaluation lengths (default 256,1024,4096,16384); prefill: prompt "
                            "lengths (default 131072,262144,524288,1048576)")
   parser.add_argument("--examples", type=int, default=256, help="recall: rows per length")
+  parser.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
+                      help=f"recall: which of {','.join(VARIANTS)} (default all)")
   parser.add_argument("--workdir", default="runs/long_context", help="recall: where the variants train")
   parser.add_argument("--config", default=str(ROOT / "experiments" / "h200.py"), help="prefill: the model")
   parser.add_argument("--passkey", type=_ints, default=[131072, 1048576], help="prefill: passkey lengths")
@@ -176,6 +181,9 @@ def main():
   parser.add_argument("--json", default=None, help="also write the figures here")
   parser.add_argument("--smoke", action="store_true", help="tiny and short, on the CPU; writes no table")
   args = parser.parse_args()
+  unknown = set(args.variants) - set(VARIANTS)
+  if unknown:
+    parser.error(f"unknown variants {sorted(unknown)}: choose from {list(VARIANTS)}")
   if args.smoke:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     args.steps = min(args.steps, 3)
