@@ -13,13 +13,14 @@ from moejax.training.loop import run
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def train(tmp_path_factory, experiment, stage, **overrides):
+def train(tmp_path_factory, experiment, **mqar):
+  """Two steps of a tiny run, with the shapes (and so the compiled programs) of the generation tests' run
+  (tests/inference/test_load_and_cli.py): the MQAR run keeps tiny's vocabulary for that."""
   c = load_experiment(os.path.join(ROOT, "experiments", experiment))
-  c.train.stages = (stage,)
+  c.train.stages = ((128, 2, 256),)
   c.train.update(checkpoint_every=1, eval_every=0, progress_bar=False)
-  c.model.kda.chunk_size = 16
-  for key, value in overrides.items():
-    c.data.mqar[key] = value
+  c.data.vocab_size = 1024
+  c.data.mqar.update(mqar)
   path = str(tmp_path_factory.mktemp(experiment.removesuffix(".py")))
   run(c, path)
   return path
@@ -27,12 +28,12 @@ def train(tmp_path_factory, experiment, stage, **overrides):
 
 @pytest.fixture(scope="module")
 def text_run(tmp_path_factory):
-  return train(tmp_path_factory, "tiny.py", (64, 1, 128))
+  return train(tmp_path_factory, "tiny.py")
 
 
 @pytest.fixture(scope="module")
 def mqar_run(tmp_path_factory):
-  return train(tmp_path_factory, "mqar_tiny.py", (64, 1, 128), pairs=4)
+  return train(tmp_path_factory, "mqar_tiny.py", pairs=4)
 
 
 def last_json(capsys):
@@ -43,7 +44,7 @@ def last_json(capsys):
 def test_ppl_and_passkey_on_a_text_run(text_run, capsys):
   assert evaluate.main(["--workdir", text_run, "--task", "ppl", "--lengths", "100", "--limit", "2"]) == 0
   lines, r = last_json(capsys)
-  assert r["task"] == "ppl" and r["step"] == 1
+  assert r["task"] == "ppl" and r["step"] == 2
   (row,) = r["lengths"]
   assert row["length"] == 100 and row["documents"] == 2 and row["tokens"] == 200
   assert [(b["start"], b["end"]) for b in row["buckets"]] == [(0, 64), (64, 100)]

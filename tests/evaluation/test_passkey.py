@@ -63,8 +63,6 @@ def test_a_copying_model_scores_one_and_a_wrong_one_zero(tokenizer):
 
 def test_a_model_answers_greedily(tokenizer):
   c = load_experiment(os.path.join(ROOT, "experiments", "tiny.py"))
-  c.data.vocab_size = 600
-  c.model.kda.chunk_size = 16
   lm = random_model(c, tokenizer=tokenizer, cache_len=512)
   r = passkey.passkey_accuracy(lm, [130, 300], [0.0, 1.0], trials=1, batch=3)
   assert 0.0 <= r["accuracy"] <= 1.0

@@ -24,7 +24,6 @@ VARIANTS = {
 
 def tiny(overrides):
   c = load_experiment(os.path.join(ROOT, "experiments", "tiny.py"))
-  c.model.kda.chunk_size = 16
   for key, value in overrides.items():
     *path, leaf = key.split(".")
     node = c
