@@ -30,7 +30,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 LONGEST_FIRST = (
     "tests/rl/test_loop.py::test_three_iterations_update_the_policy_and_resume_bit_exactly",
     "tests/test_notebooks.py::test_rl_notebook_runs",
-    "tests/test_notebooks.py::test_quickstart_then_generate_notebooks_run",
+    "tests/test_notebooks.py::test_quickstart_then_generate_and_long_context_notebooks_run",
     "tests/parallel/test_multiprocess.py::test_two_processes_train_as_one_process_with_two_devices",
     "tests/model/test_scan_layers.py::test_scanned_equals_unrolled_forward_and_gradients",
     "tests/tools/test_benchmarks.py::test_vision_benchmark_smoke",

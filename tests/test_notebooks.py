@@ -26,9 +26,10 @@ def run_cells(cells, **env_vars):
   return out.stdout
 
 
-def test_quickstart_then_generate_notebooks_run(tmp_path):
+def test_quickstart_then_generate_and_long_context_notebooks_run(tmp_path):
   """The quickstart notebook trains a few steps; the generation notebook then loads that run (as it
-  loads the Quickstart's) and generates from it."""
+  loads the Quickstart's) and generates from it, and the long-context notebook trains MQAR a few steps,
+  tabulates it by length and plots that run's loss by position."""
   cells = code_cells("quickstart.ipynb")
   assert "MOEJAX_REPO" in cells[0], "the first code cell installs moejax where it is not importable"
   assert cells[1].startswith("STEPS = "), "the second code cell sets STEPS and WORKDIR"
@@ -47,6 +48,14 @@ def test_quickstart_then_generate_notebooks_run(tmp_path):
   assert "step 6, vocabulary" in out, out
   assert "greedy tokens equal the argmax of the full forward pass" in out, out
   assert "the second turn equals one pass over the whole history" in out, out
+
+  cells = code_cells("long_context.ipynb")
+  assert "MOEJAX_REPO" in cells[0], "the first code cell installs moejax where it is not importable"
+  assert cells[1].startswith("STEPS = "), "the second code cell sets STEPS, WORKDIR and TEXT_WORKDIR"
+  cells[1] = f"STEPS = 3\nWORKDIR = {str(tmp_path / 'mqar')!r}\nTEXT_WORKDIR = {str(tmp_path / 'run')!r}"
+  out = run_cells(cells, MOEJAX_CACHE_DIR=str(tmp_path / "cache"))
+  assert re.search(r"^\s+4096\s+128\s+\d\.\d{3}$", out, re.M), out
+  assert re.search(r"positions \[ 256,  512\): loss \d+\.\d{4}", out), out
 
 
 def test_rl_notebook_runs(tmp_path):
@@ -74,3 +83,4 @@ def test_vision_notebook_runs(tmp_path):
   assert "trained to step 4" in out, out
   assert re.search(r"digits: 16x16 pixels -> 4x4 patches of 4x4 -> 4 decoder tokens", out), out
   assert re.search(r"digits accuracy \d\.\d{3} over 24, shapes accuracy \d\.\d{3} over 24", out), out
+
