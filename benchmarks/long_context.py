@@ -39,14 +39,6 @@ def _log(*parts):
   print(time.strftime("%H:%M:%S"), *parts, flush=True)
 
 
-def _set(config, key: str, value) -> None:
-  *path, leaf = key.split(".")
-  node = config
-  for p in path:
-    node = node[p]
-  node[leaf] = value
-
-
 def _ints(text: str) -> list[int]:
   return [int(v) for v in text.split(",") if v]
 
@@ -74,8 +66,7 @@ def recall(args) -> tuple[list[str], list]:
       c.data.mqar.pairs = 4
     if overrides.get("model.kda.implementation") is None:
       c.model.kda.implementation = "xla"  # the tiny model's head widths are below the kernels' tiles
-    for key, value in overrides.items():
-      _set(c, key, value)
+    c.update_from_flattened_dict(overrides)
     workdir = os.path.join(args.workdir, variant)
     _log(f"{name}: training {args.steps} steps in {workdir}")
     started = time.perf_counter()

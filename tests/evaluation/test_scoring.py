@@ -24,12 +24,7 @@ VARIANTS = {
 
 def tiny(overrides):
   c = load_experiment(os.path.join(ROOT, "experiments", "tiny.py"))
-  for key, value in overrides.items():
-    *path, leaf = key.split(".")
-    node = c
-    for p in path:
-      node = node[p]
-    node[leaf] = value
+  c.update_from_flattened_dict(overrides)
   return c
 
 
