@@ -123,6 +123,10 @@ def base_config() -> ml_collections.ConfigDict:
   e.histogram_bins = 2048
   e.sign_rate = 1e-3  # one sign step per forward pass: per pass of train.microbatch_tokens
   e.aux_loss_weight = 1e-4
+  # The routing bias's start on the first top_k experts (the others start at 0): 0 for real runs; a
+  # positive value sends every token to the same experts until balancing moves the bias (with balance
+  # "none" or "aux", which never move it, for good: the collapse that train.maxvio_alert must catch).
+  e.initial_bias = 0.0
   # Expert parallelism only: each rank keeps at most capacity_factor x the mean load of the pairs sent
   # to its experts; both the padded CPU path and the ragged GPU path keep the same ones. Pairs past it
   # are dropped and counted in router/dropped; a factor >= the expert-axis size can never drop.
@@ -351,6 +355,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"model.moe.capacity_factor={e.capacity_factor} must be positive (expert parallelism's buffers)")
     need(isinstance(e.histogram_bins, int) and e.histogram_bins >= 2,
          f"model.moe.histogram_bins must be an integer >= 2, got {e.histogram_bins!r}")
+    need(float(e.initial_bias) >= 0, f"model.moe.initial_bias={e.initial_bias} must be >= 0")
     need(e.sign_rate > 0 and e.aux_loss_weight >= 0 and e.balance_iters >= 1,
          "model.moe.sign_rate must be positive, aux_loss_weight >= 0 and balance_iters >= 1")
     need(e.balance in BALANCE_MODES, f"model.moe.balance={e.balance!r} not in {BALANCE_MODES}")

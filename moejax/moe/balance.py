@@ -145,8 +145,8 @@ def _updated_layer(mode, state, stats, cfg_moe, path):
     new["bias"] = jnp.asarray(stats["bias_next"], jnp.float32)
   elif mode == "sign":
     new["bias"] = sign_update(state["bias"], load, cfg_moe.sign_rate)
-  else:  # "aux" and "none" route with the unbiased scores
-    new["bias"] = jnp.zeros_like(state["bias"])
+  else:  # "aux" and "none" never move the bias: 0, unless moe.initial_bias skews the start for good
+    new["bias"] = state["bias"]
   return new
 
 

@@ -170,7 +170,9 @@ class MoE(nn.Module):
     if not self.is_mutable_collection("balance") and not self.has_variable("balance", "bias"):
       raise ValueError("MoE needs its routing state: apply the model with variables "
                        "{'params': ..., 'balance': ...} as returned by init")
-    bias = self.variable("balance", "bias", jnp.zeros, (n,), jnp.float32)
+    # A skewed start (moe.initial_bias > 0 favours the first top_k experts) that balancing must undo.
+    bias = self.variable("balance", "bias", lambda: jnp.where(jnp.arange(n) < e.top_k, e.initial_bias, 0.0)
+                         .astype(jnp.float32))
     self.variable("balance", "load_total", jnp.zeros, (n,), jnp.float32)
     x_BTD = x_BTD.astype(dtype)
 

@@ -154,7 +154,7 @@ def test_next_balance_state(mode):
   layer = new["layer_2"]["moe"]
   chex.assert_trees_all_close(layer["load_total"], jnp.array([5.0, 3, 5, 5]))
   expected = {"quantile": [-1.0, 1, 0, 0], "sign": [0.09, 0.01, -0.2, 0.11],
-              "aux": [0.0] * 4, "none": [0.0] * 4}[mode]
+              "aux": [0.1, 0.0, -0.2, 0.1], "none": [0.1, 0.0, -0.2, 0.1]}[mode]  # aux, none: left as it is
   chex.assert_trees_all_close(layer["bias"], jnp.array(expected), atol=1e-7)
 
 

@@ -619,3 +619,26 @@ def test_a_stage_appended_after_the_end_starts_its_stream_afresh(reference, tmp_
   np.testing.assert_array_equal(seen[0]["tokens"], first["tokens"])
   assert "its stream starts afresh" in caplog.text and "total_steps: 28 -> 30" in caplog.text
   assert [r["step"] for r in read_rows(tmp_path)][-2:] == [29, 30]
+
+
+@pytest.mark.parametrize("balance", ["none", "quantile"])
+def test_a_collapsing_run_raises_the_collapse_alert(balance, shared, tmp_path, caplog):
+  """Every token starts routed to the same two of four experts (moe.initial_bias 1 outweighs any
+  difference of sigmoid scores). Without balancing they stay there (MaxVio_batch 1: two experts at twice
+  their share) and the run's expert-collapse alert fires; quantile balancing undoes the skew within two
+  steps, and no alert fires."""
+  config = make_config(shared / "data", **{
+      "model.moe.balance": balance, "model.moe.initial_bias": 1.0, "train.stages": ((64, 6, 256),),
+      "train.maxvio_alert": 0.5, "train.maxvio_alert_steps": 3, "train.log_every": 1,
+      "train.eval_every": 0, "train.checkpoint_every": 6})
+  with caplog.at_level(logging.WARNING, logger="moejax.training.monitor"):
+    loop.run(config, str(tmp_path / "run"))
+  alerts = [r.getMessage() for r in caplog.records if "expert-collapse alert" in r.getMessage()]
+  rows = runs.read_rows(tmp_path / "run" / "metrics.jsonl")
+  worst = [max(v for k, v in r.items() if k.endswith("/moe/maxvio_batch") and k.startswith("moe/layer_"))
+           for r in rows]
+  if balance == "none":
+    assert worst == [1.0] * 6 and len(alerts) == 2, (worst, alerts)  # at steps 3 and 6
+  else:
+    # The bias solved on batch 1 routes batch 2 (0.55 there: other tokens), and holds from then on.
+    assert worst[0] == 1.0 and max(worst[2:]) < 0.5 and not alerts, (worst, alerts)
