@@ -107,14 +107,15 @@ def prefill(args) -> tuple[list[str], dict]:
     c.inference.prefill_chunk = 256
   device = jax.devices()[0]
   peak = lambda: (device.memory_stats() or {}).get("peak_bytes_in_use")
+  live = lambda: (device.memory_stats() or {}).get("bytes_in_use")
   texts = [passkey.INTRO, passkey.FILLER, passkey.NEEDLE.format(key="12345"), passkey.QUESTION,
            " ".join(str(n) for n in range(2000))]
   tokenizer = TextTokenizer(tk.train_tokenizer(texts * 4, int(c.data.vocab_size)))
   lm = random_model(c, tokenizer=tokenizer, cache_len=max(args.lengths + args.passkey) + 64)
   weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(lm.variables))
   _log(f"weights: {weights / 2**30:.2f} GiB on {device.device_kind}")
-  lines = ["| prompt tokens | seconds | tokens/s | peak memory GiB | MLA latents GiB | last logits finite |",
-           "|---|---|---|---|---|---|"]
+  lines = ["| prompt tokens | seconds | tokens/s | peak memory GiB | held after it GiB | MLA latents GiB | "
+           "last logits finite |", "|---|---|---|---|---|---|---|"]
   results = {}
   for length in args.lengths:
     piece = min(lm.prefill_chunk, length)
@@ -133,12 +134,14 @@ def prefill(args) -> tuple[list[str], dict]:
     finite = bool(np.all(np.isfinite(np.asarray(rows.logits_BV))))
     latents = sum(x.size * x.dtype.itemsize for p, x in jax.tree_util.tree_flatten_with_path(rows.cache)[0]
                   if getattr(p[-1], "key", None) == "latent")
+    held = None if live() is None else live() / 2**30  # the weights, the caches and the tokens
     del rows, tokens
     gib = None if peak() is None else peak() / 2**30
-    results[length] = {"seconds": seconds, "peak_gib": gib, "finite": finite}
-    _log(f"prefill {length}: {seconds:.1f} s, peak {gib} GiB, finite {finite}")
-    lines.append(f"| {length:,} | {seconds:.1f} | {length / seconds:,.0f} | "
-                 f"{'n/a' if gib is None else f'{gib:.1f}'} | {latents / 2**30:.2f} | {finite} |")
+    results[length] = {"seconds": seconds, "peak_gib": gib, "held_gib": held, "finite": finite}
+    _log(f"prefill {length}: {seconds:.1f} s, peak {gib} GiB, held {held} GiB, finite {finite}")
+    show = lambda x: "n/a" if x is None else f"{x:.2f}"
+    lines.append(f"| {length:,} | {seconds:.1f} | {length / seconds:,.0f} | {show(gib)} | {show(held)} | "
+                 f"{latents / 2**30:.2f} | {finite} |")
   lines += ["", "Passkey mechanics (random weights: the answer is noise; the figures are time and memory):",
             "",
             "| prompt tokens | seconds (built, compiled, prefilled and answered) | peak memory GiB |",
