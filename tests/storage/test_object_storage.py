@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import runs
+import s3fs
 
 from moejax import storage
 from moejax.storage.orbax_s3 import s3_kvstore_spec
@@ -32,6 +33,10 @@ def s3(tmp_path_factory):
          "MOEJAX_CACHE_DIR": str(tmp_path_factory.mktemp("moejax_cache"))}
   before = {k: os.environ.get(k) for k in env}
   os.environ.update(env)
+  # fsspec keeps one S3FileSystem per set of arguments, and the endpoint comes from the environment: a
+  # filesystem made for an earlier server of this process (another test module's, now stopped) would
+  # still be handed out.
+  s3fs.S3FileSystem.clear_instance_cache()
   try:
     boto3.client("s3").create_bucket(Bucket=BUCKET)
     yield env
@@ -41,6 +46,7 @@ def s3(tmp_path_factory):
         os.environ.pop(k, None)
       else:
         os.environ[k] = v
+    s3fs.S3FileSystem.clear_instance_cache()
     server.stop()
 
 
