@@ -89,7 +89,9 @@ def recall(args) -> tuple[list[str], list]:
   return lines, rows
 
 
-def prefill(args) -> tuple[list[str], dict]:
+def prefill(args, progress=lambda lines: None) -> tuple[list[str], dict]:
+  """The table's lines and the figures; `progress(lines)` gets the table after each row, so that a run
+  stopped by a time limit still leaves the rows it measured."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -142,6 +144,7 @@ def prefill(args) -> tuple[list[str], dict]:
     show = lambda x: "n/a" if x is None else f"{x:.2f}"
     lines.append(f"| {length:,} | {seconds:.1f} | {length / seconds:,.0f} | {show(gib)} | {show(held)} | "
                  f"{latents / 2**30:.2f} | {finite} |")
+    progress(lines)
   lines += ["", "Passkey mechanics (random weights: the answer is noise; the figures are time and memory):",
             "",
             "| prompt tokens | seconds (built, compiled, prefilled and answered) | peak memory GiB |",
@@ -155,6 +158,7 @@ def prefill(args) -> tuple[list[str], dict]:
                                     "answer": r["lengths"][0]["depths"][0]}
     _log(f"passkey {length}: {seconds:.1f} s, answer {r['lengths'][0]['depths'][0]['answers']}")
     lines.append(f"| {length:,} | {seconds:.1f} | {'n/a' if gib is None else f'{gib:.1f}'} |")
+    progress(lines)
   return lines, results
 
 
@@ -203,10 +207,12 @@ def main():
              "the NoPE hybrid keeps at least 90% at 4K."]
   else:
     args.lengths = args.lengths or [131072, 262144, 524288, 1048576]
-    table, figures = prefill(args)
     title = "Long-context prefill (experiments/h200.py)"
     notes = ["Target: a 1M-token prefill on one GPU, memory linear in the length. Peak memory is the "
              "device's peak since the start of the process (lengths run shortest first)."]
+    head = provenance(jax.devices()[0].device_kind) + [""] + notes + [""]
+    partial = lambda lines: publish(None if args.smoke else args.out, title, head + lines + ["", "(partial)"])
+    table, figures = prefill(args, partial)
   body = provenance(jax.devices()[0].device_kind) + [""] + notes + [""] + table
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(figures, default=str, indent=1))
