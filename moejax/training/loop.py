@@ -9,6 +9,7 @@ import logging
 import time
 
 import jax
+import numpy as np
 
 from moejax import storage
 from moejax.config import passes_per_step
@@ -183,7 +184,10 @@ def run(config, workdir: str) -> dict:
     step_done, metrics, extra = done
     row = to_row(jax.device_get(metrics))
     now = time.perf_counter()
-    tokens = row["tokens"]  # the real (not padding) tokens of the global batch
+    # The tokens the model read: every real (not padding) one, where row["tokens"] counts those with a
+    # loss (fewer where the loss mask leaves some out: MQAR's questions, vision's image placeholders).
+    # Counted on this process's rows, which every process has alike.
+    tokens = extra.pop("tokens_fed") * jax.process_count()
     flops = tokens * extra.pop("flops_per_token")
     row.update(step=step_done, **extra)
     trained["steps"] += 1
@@ -237,7 +241,8 @@ def run(config, workdir: str) -> dict:
         state, m = train_step(state, to_device(batch))
         step += 1
         extra = {"stage": stage_idx, "seq_len": stages[stage_idx][0],
-                 "flops_per_token": flops_per_token(batch["segment_ids"])}
+                 "flops_per_token": flops_per_token(batch["segment_ids"]),
+                 "tokens_fed": float(np.count_nonzero(batch["segment_ids"]))}
         if pending is not None:
           row, pending = finish(pending), None
         evaluate_now = bool(config.train.eval_every) and step % config.train.eval_every == 0
