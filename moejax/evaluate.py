@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="captions: examples of each kind; ppl: documents per length (default 16)")
   p.add_argument("--batch", type=int, default=None, help="rows run together (default: 64 for captions, 8 "
                  "for ppl, 16 for mqar, 4 for passkey)")
-  p.add_argument("--output", default=None, help="JSONL of every example's record (default: none)")
+  p.add_argument("--output", default=None, help="captions: JSONL of every example's record (default: none)")
   return p
 
 
@@ -77,6 +77,8 @@ def main(argv=None) -> int:
       raise SystemExit(f"--{name} must be >= 1")
   if args.task == "captions":
     return _captions(args)
+  if args.output is not None:
+    raise SystemExit(f"--output is for the captions task; {args.task}'s result is the JSON of the last line")
   from moejax.inference import load_model  # after the memory setting
   from moejax.inference.loading import read_config
 
@@ -158,4 +160,7 @@ def _captions(args) -> int:
 
 if __name__ == "__main__":
   use_default_memory_fraction()
-  sys.exit(main())
+  try:
+    sys.exit(main())
+  except (ValueError, FileNotFoundError) as e:  # what the run cannot do: its reason, without a traceback
+    sys.exit(f"python -m moejax.evaluate: {e}")

@@ -71,7 +71,7 @@ def test_mqar_on_an_mqar_run(mqar_run, capsys):
 
 
 @pytest.mark.parametrize("argv", [["--lengths", "0"], ["--depths", "1.5"], ["--lengths", "a,b"],
-                                  ["--task", "nope"], ["--examples", "0"]])
+                                  ["--task", "nope"], ["--examples", "0"], ["--output", "x.jsonl"]])
 def test_bad_arguments(argv, tmp_path):
   args = {"--workdir": str(tmp_path), "--task": "mqar"}
   for flag, value in zip(argv[::2], argv[1::2], strict=True):
