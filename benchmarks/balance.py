@@ -1,6 +1,7 @@
 """Expert balance of each balancing mode, side by side, on one small MoE LM (CPU is fine).
 
 python -m benchmarks.balance [--steps 300] [--out BENCHMARKS.md]
+python -m benchmarks.balance --gpu ...     (experiments/h200.py at scale: benchmarks/balance_gpu.py)
 
 Trains the same model on the same data stream once per mode of `model.moe.balance` (quantile, sign,
 aux, none) and reports MaxVio_batch (mean over the second half of training), MaxVio_global (from
@@ -20,6 +21,7 @@ import time
 
 import numpy as np
 
+from benchmarks import balance_gpu
 from benchmarks.report import replace_section
 from moejax.config import base_config
 from moejax.train import run
@@ -60,11 +62,40 @@ def summarise(rows: list[dict]) -> dict:
   }
 
 
+def _names(text: str, choices) -> list[str]:
+  names = [v for v in text.split(",") if v]
+  if not names or any(v not in choices for v in names):
+    raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated names of {', '.join(choices)}")
+  return names
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--steps", type=int, default=None, help="steps per run (300; 1000 with --gpu)")
   parser.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent.parent / "BENCHMARKS.md"))
+  scale = parser.add_argument_group("--gpu: experiments/h200.py's model at scale (benchmarks/balance_gpu.py)")
+  scale.add_argument("--gpu", action="store_true")
+  names = lambda choices: lambda text: _names(text, choices)
+  scale.add_argument("--shapes", type=names(balance_gpu.SHAPES), default=["h200"],
+                     help=f"comma-separated, of {','.join(balance_gpu.SHAPES)}")
+  scale.add_argument("--modes", type=names(balance_gpu.MODES), default=["quantile", "sign", "aux"],
+                     help=f"comma-separated, of {','.join(balance_gpu.MODES)}")
+  scale.add_argument("--workdir", default="runs/balance", help="the runs, resumed from here")
+  scale.add_argument("--time-limit-s", type=float, default=540.0,
+                     help="this call stops its runs near this many seconds (they resume next call)")
+  scale.add_argument("--min-run-s", type=float, default=120.0,
+                     help="no run starts with less time left than this")
+  scale.add_argument("--figure", default=None, help="the PNG's path (benchmarks/figures/balance_gpu.png)")
+  scale.add_argument("--json", default=None, help="also write the figures here")
+  scale.add_argument("--smoke", action="store_true", help="experiments/tiny.py on the CPU; writes no table")
   args = parser.parse_args()
+  if args.gpu:
+    args.steps = args.steps or 1000
+    args.argv = sys.argv[1:]
+    args.argv.remove("--gpu")
+    balance_gpu.main(args)
+    return
+  args.steps = args.steps or 300
 
   results = {}
   with tempfile.TemporaryDirectory() as tmp:

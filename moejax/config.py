@@ -121,6 +121,10 @@ def base_config() -> ml_collections.ConfigDict:
   # "interpret" (the kernels in Pallas interpret mode, slow; for tests). All give the same bias.
   e.balance_implementation = "auto"
   e.histogram_bins = 2048
+  # Not causal, a diagnostic (benchmarks/balance.py --gpu): each training batch is routed with the bias
+  # solved on that same batch, so what imbalance remains is the solver's and the bins', none of it the
+  # bias lagging behind the router. Evaluation and generation route with the carried bias as usual.
+  e.quantile_oracle = False
   e.sign_rate = 1e-3  # one sign step per forward pass: per pass of train.microbatch_tokens
   e.aux_loss_weight = 1e-4
   # The routing bias's start on the first top_k experts (the others start at 0): 0 for real runs; a
@@ -186,6 +190,10 @@ def base_config() -> ml_collections.ConfigDict:
   t.checkpoint_every = 100
   t.keep_checkpoints = 3
   t.max_bad_steps = 5  # stop after this many consecutive non-finite steps
+  # Seconds of training after which the run stops early, at the next step that logs (train.log_every),
+  # saving a checkpoint there: the same command resumes it (a job's time limit, a benchmark split over
+  # calls). Process 0's clock decides for every process. 0: no limit.
+  t.time_limit_s = 0.0
   t.maxvio_alert = 1.0  # warn when MaxVio_batch stays above this ...
   t.maxvio_alert_steps = 50  # ... for this many consecutive steps
   t.progress_bar = True
@@ -359,6 +367,9 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(e.sign_rate > 0 and e.aux_loss_weight >= 0 and e.balance_iters >= 1,
          "model.moe.sign_rate must be positive, aux_loss_weight >= 0 and balance_iters >= 1")
     need(e.balance in BALANCE_MODES, f"model.moe.balance={e.balance!r} not in {BALANCE_MODES}")
+    need(not e.quantile_oracle or e.balance == "quantile",
+         f"model.moe.quantile_oracle routes with the quantile bias: it needs balance='quantile', not "
+         f"{e.balance!r}")
     need(e.grouped_matmul in GROUPED_MATMULS,
          f"model.moe.grouped_matmul={e.grouped_matmul!r} not in {GROUPED_MATMULS}")
     need(e.balance_implementation in BALANCE_IMPLEMENTATIONS,
@@ -402,6 +413,9 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(tokens % seq_len == 0,
          f"train.stages[{i}]: tokens_per_batch={tokens} is not a multiple of seq_len={seq_len}")
   need(t.max_bad_steps >= 1, "train.max_bad_steps must be >= 1")
+  limit = t.time_limit_s
+  need(isinstance(limit, int | float) and not isinstance(limit, bool) and limit >= 0,
+       f"train.time_limit_s must be a number of seconds >= 0 (0: no limit), got {t.time_limit_s!r}")
   for name in ("log_every", "checkpoint_every", "keep_checkpoints", "maxvio_alert_steps"):
     need(isinstance(t[name], int) and t[name] >= 1, f"train.{name} must be an integer >= 1, got {t[name]!r}")
   need(isinstance(t.eval_every, int) and t.eval_every >= 0,

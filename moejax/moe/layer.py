@@ -73,8 +73,17 @@ def _routed(w, x_BTD, doc_BT, bias_E, *, cfg, stats_wanted: bool, axes: tuple[st
   x_MD = x_BTD.reshape(b * t, d)
 
   # The named scopes label the layer's parts in profiles (tools/trace_parts.py).
+  def solve_bias(start_E):
+    with jax.named_scope("quantile_balance"):
+      impl = None if e.balance_implementation == "auto" else e.balance_implementation
+      return quantile_bias(s_ME, k, start_E, e.balance_iters, bins=e.histogram_bins if axes else None,
+                           axis_name=axes or None, implementation=impl)
+
   with jax.named_scope("router"):
     s_ME = router_scores(x_MD, w["router"], e.router_matmul)
+    oracle = stats_wanted and e.balance == "quantile" and e.quantile_oracle
+    if oracle:  # this batch's own bias, warm-started from the carried one (config.py: not causal)
+      bias_E = solve_bias(bias_E)
     idx_MK, p_MK = select_experts(s_ME, bias_E, k, e.routed_scaling)
     stats = {"load": reduce(expert_load(idx_MK, n))}
 
@@ -103,11 +112,7 @@ def _routed(w, x_BTD, doc_BT, bias_E, *, cfg, stats_wanted: bool, axes: tuple[st
     y_MD = matmul("ml,ld->md", y_ML, w["w_up"], dtype)
 
   if stats_wanted and e.balance == "quantile":
-    with jax.named_scope("quantile_balance"):
-      impl = None if e.balance_implementation == "auto" else e.balance_implementation
-      stats["bias_next"] = quantile_bias(s_ME, k, bias_E, e.balance_iters,
-                                         bins=e.histogram_bins if axes else None, axis_name=axes or None,
-                                         implementation=impl)
+    stats["bias_next"] = bias_E if oracle else solve_bias(bias_E)
   if stats_wanted and e.balance == "aux":
     total, docs = sequence_aux_loss_terms(s_ME, idx_MK, doc_BT, k)
     stats["aux_loss"] = e.aux_loss_weight * reduce(total) / reduce(docs)

@@ -88,12 +88,13 @@ def evaluate(eval_step, state, config, stage, manifest_path: str, streams: int,
 
 
 def run(config, workdir: str) -> dict:
-  """Trains to the end of the last stage; returns the final metrics row.
+  """Trains to the end of the last stage, or until train.time_limit_s; returns the last metrics row.
 
   `workdir` may be relative (to the current directory) or a URL (s3://, gs://), which is kept as given.
   In a multi-process run (moejax.parallel.distributed) every process calls this: each reads its own
   data streams and writes its shards of the checkpoints, and process 0 alone writes the run's other
   files (run.json, data.json, config.json, tokenizer.json, the metrics log and TensorBoard)."""
+  began = time.perf_counter()
   workdir = storage.resolve_workdir(workdir)
   model = build_model(config)  # validates the config first
   primary = distributed.is_primary()
@@ -228,6 +229,15 @@ def run(config, workdir: str) -> dict:
              total_steps)
     row = monitor.last_logged
   compiled = set()  # the stages whose step this process has compiled
+
+  def out_of_time(step_done: int) -> bool:
+    """Whether the run stops after `step_done`: checked where the step logs, on process 0's clock."""
+    limit = config.train.time_limit_s
+    if not limit or step_done % config.train.log_every or step_done >= total_steps:
+      return False
+    late = str(time.perf_counter() - began > limit) if primary else None
+    return distributed.share(f"time-up-at-{step_done}", late) == "True"
+
   try:
     with jax.set_mesh(mesh):  # the steps, evaluation and saves all run on the run's mesh
       while step < total_steps:
@@ -252,6 +262,8 @@ def run(config, workdir: str) -> dict:
         # and a restart there should not repeat the end of the stage before.
         save_due = (save_due or switched or step % config.train.checkpoint_every == 0
                     or step == total_steps)
+        time_up = out_of_time(step)
+        save_due = save_due or time_up
         # A checkpoint's step is logged before it is saved.
         if compiles or evaluate_now or save_due or step % config.train.log_every == 0:
           row = finish((step, m, extra), measure=True, compiled_since=dispatched if compiles else None,
@@ -276,6 +288,10 @@ def run(config, workdir: str) -> dict:
           if window["start"] is not None:
             window["start"] += time.perf_counter() - started  # nor is saving
           save_due = False
+        if time_up:
+          log.warning("step %d: train.time_limit_s=%s reached; stopping here, with %d of %d steps trained "
+                      "(the same command resumes)", step, config.train.time_limit_s, step, total_steps)
+          break
       if pending is not None:
         row = finish(pending)
       if save_due:

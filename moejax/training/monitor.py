@@ -88,7 +88,8 @@ def summary(workdir: str, row: dict, last_val: dict, trained: dict, checkpoints:
   rate = (f"{trained['tokens'] / trained['seconds']:,.0f} tokens/s" if trained["seconds"] > 0
           else "nothing left to train" if not trained["steps"]
           else "tokens/s not measured (no step past the compiles)")
-  lines = [f"done: step {row.get('step', 0)} of {total_steps}; {trained['steps']} steps in this process, "
+  ended = "done" if row.get("step", 0) >= total_steps else "stopped"
+  lines = [f"{ended}: step {row.get('step', 0)} of {total_steps}; {trained['steps']} steps in this process, "
            f"{rate}"]
   if "loss" in row:
     val = (f", validation loss {fmt(last_val['val_loss'])} at step {last_val.get('step')}" if last_val

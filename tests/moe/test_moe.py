@@ -8,7 +8,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from moejax.config import base_config
+from moejax.config import base_config, validate
+from moejax.errors import ConfigError
 from moejax.moe.balance import quantile_bias
 from moejax.moe.layer import EXPERT_WEIGHTS, MoE
 from moejax.moe.router import router_scores
@@ -202,6 +203,32 @@ def test_sown_stats_and_bias_has_no_gradient(setup):
   chex.assert_trees_all_equal(grad_bias, jax.tree.map(jnp.zeros_like, balance))
   # Without a mutable "router" collection nothing is sown and the quantile work is skipped.
   chex.assert_trees_all_close(apply({"params": params, "balance": balance}, x), y_sown)
+
+
+def test_quantile_oracle_routes_the_batch_with_its_own_bias(setup):
+  """model.moe.quantile_oracle: a training apply routes with the bias solved on its own batch (from the
+  carried one) and sows that bias as the next; an apply without router stats routes with the carried
+  bias, as the causal layer does."""
+  cfg, _, x, params, balance = setup
+  model = MoE(small_cfg(quantile_oracle=True))
+  apply = jax.jit(model.apply, static_argnames="mutable")
+  _, stats = apply({"params": params, "balance": balance}, x, mutable=("router",))
+  stats = stats["router"]
+  s_ME = router_scores(x.reshape(B * T, -1), params["router"], cfg.moe.router_matmul)
+  own = quantile_bias(s_ME, cfg.moe.top_k, balance["bias"], cfg.moe.balance_iters)
+  bits = lambda a: np.asarray(a).view(np.uint32)
+  np.testing.assert_array_equal(bits(stats["bias_next"]), bits(own))
+  chosen = chosen_experts(params, own, x.reshape(B * T, -1), cfg.moe.top_k)
+  np.testing.assert_array_equal(stats["load"], np.bincount(chosen.ravel(), minlength=cfg.moe.num_experts))
+  causal = np.bincount(chosen_experts(params, balance["bias"], x.reshape(B * T, -1), cfg.moe.top_k).ravel(),
+                       minlength=cfg.moe.num_experts)
+  assert np.ptp(stats["load"]) < np.ptp(causal), (stats["load"], causal)  # this batch, balanced by its bias
+  chex.assert_trees_all_close(apply({"params": params, "balance": balance}, x),
+                              jax.jit(MoE(cfg).apply)({"params": params, "balance": balance}, x))
+  with pytest.raises(ConfigError, match="quantile_oracle.*needs balance='quantile'"):
+    c = base_config()
+    c.model.moe.update(balance="sign", quantile_oracle=True)
+    validate(c)
 
 
 def test_balance_implementation_reaches_the_quantile_bias(setup):

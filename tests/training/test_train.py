@@ -271,10 +271,16 @@ def test_stage_switch_carries_the_state(reference):
       assert float(np.sum(state.balance[layer]["moe"]["load_total"])) == s * 512 * 2
 
 
-def test_restart_at_the_stage_boundary_equals_one_process(reference, tmp_path):
+def test_restart_at_the_stage_boundary_and_after_a_time_limit_equals_one_process(reference, tmp_path, caplog):
   """Checkpoint 20 ends stage 0; restarting there must pick up stage 1's stream where the
-  uninterrupted run did."""
+  uninterrupted run did. On the way the run stops at its time limit (at the first logged step past
+  it, 21), saves there, and the same command resumes it."""
   copy_checkpoints(reference["workdir"], tmp_path, [20])
+  limited = make_config(reference["config"].data.cache_dir, **{"train.time_limit_s": 1e-9})
+  with caplog.at_level(logging.WARNING, logger="moejax.train"):
+    stopped = loop.run(limited, str(tmp_path))
+  assert stopped["step"] == 21 and "train.time_limit_s=1e-09 reached" in caplog.text, caplog.text
+  assert ckpt_lib.Manager(str(tmp_path / "checkpoints"), 5).all_steps() == [20, 21]
   loop.run(reference["config"], str(tmp_path))
   assert_same_rows(read_rows(tmp_path), reference["rows"][20:])
   assert_same_params(restore_state(reference["config"], tmp_path, TOTAL).params,

@@ -1,0 +1,218 @@
+"""Expert balance at scale: experts/h200.py's model trained on the embedded corpus once per balance mode,
+with the same seed and data order, and the load of every MoE layer read from each step's metrics.
+
+python -m benchmarks.balance --gpu [--steps 1000] [--shapes h200,e256,k3] [--modes quantile,sign,aux,oracle]
+                                   [--workdir runs/balance] [--time-limit-s 540] [--out BENCHMARKS.md]
+
+Shapes: "h200" is experiments/h200.py (64 routed experts, top 8); "e256" the same with 256 experts, top
+8, each a quarter as wide (the same expert parameters); "k3" experiments/k3.py's MoE, 896 experts top
+16 and two shared ones, at the h200 model's width (expert hidden 64). Each trains at 32K tokens a step
+(4 rows of 8K, one pass) for --steps steps. Modes: model.moe.balance "quantile", "sign" and "aux", and
+"oracle", quantile with model.moe.quantile_oracle: each batch routed with the bias solved on itself,
+which is not causal; the gap between quantile and oracle is what the bias's lag costs, and what the
+oracle leaves is the solver's.
+
+The runs live in --workdir/<shape>/<mode>; a call stops itself near --time-limit-s (train.time_limit_s,
+which saves a checkpoint) and the next call with the same arguments resumes where it stopped. Each call
+rewrites the section with every run's figures so far, a run cut short marked with its step, and the
+PNG benchmarks/figures/balance_gpu.png.
+"""
+
+import json
+import os
+import pathlib
+import time
+
+import numpy as np
+
+from benchmarks.report import commit, publish
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FIGURE = ROOT / "benchmarks" / "figures" / "balance_gpu.png"
+TITLE = "Expert balance at scale (experiments/h200.py)"
+SHAPES = {
+    "h200": ("64 experts top-8 (experiments/h200.py)", {}),
+    "e256": ("256 experts top-8, each 1/4 as wide", {"model.moe.num_experts": 256,
+                                                       "model.moe.expert_hidden_dim": 192}),
+    "k3": ("896 experts top-16, 2 shared (k3's MoE, expert hidden 64)",
+           {"model.moe.num_experts": 896, "model.moe.top_k": 16, "model.moe.num_shared": 2,
+            "model.moe.expert_hidden_dim": 64}),
+}
+MODES = {
+    "quantile": {"model.moe.balance": "quantile"},
+    "sign": {"model.moe.balance": "sign"},
+    "aux": {"model.moe.balance": "aux"},
+    "oracle": {"model.moe.balance": "quantile", "model.moe.quantile_oracle": True},
+}
+SETTLED = 0.5  # the worst layer's MaxVio_batch that a settled run stays below
+FROM_STEP = 50  # the statistics over steps skip the warmup's first steps
+SEQ_LEN, TOKENS = 8192, 32768
+
+
+def run_config(shape: str, mode: str, steps: int, smoke: bool = False):
+  """experiments/h200.py (experiments/tiny.py for --smoke) at 32K tokens a step in one pass, with the
+  shape's and the mode's overrides."""
+  from moejax.config import load_experiment
+
+  c = load_experiment(ROOT / "experiments" / ("tiny.py" if smoke else "h200.py"))
+  seq_len, tokens = (128, 512) if smoke else (SEQ_LEN, TOKENS)
+  overrides = {**SHAPES[shape][1], **MODES[mode]}
+  if smoke:  # the shapes' expert counts at the tiny model's widths
+    overrides = {k: v for k, v in overrides.items() if not k.endswith("hidden_dim")}
+  c.update_from_flattened_dict(overrides)
+  c.train.update(stages=((seq_len, steps, tokens),), microbatch_tokens=0, seed=0, log_every=10,
+                 eval_every=steps, eval_batches=4, checkpoint_every=100, progress_bar=False)
+  return c
+
+
+def read_rows(workdir: str) -> list[dict]:
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def layer_names(row: dict) -> list[str]:
+  """The MoE layers of a metrics row, in layer order ("moe/layer_3/moe")."""
+  suffix = "/maxvio_batch"
+  names = [k[:-len(suffix)] for k in row if k.startswith("moe/layer_") and k.endswith(suffix)]
+  return sorted(names, key=lambda n: int(n.split("/")[1].split("_")[1]))
+
+
+def settling_step(worst: np.ndarray, steps: np.ndarray, limit: float = SETTLED) -> int | None:
+  """The first step from which the worst layer's MaxVio_batch stays below `limit` to the end; None if
+  the last step is not below it."""
+  above = np.nonzero(worst >= limit)[0]
+  if len(above) == 0:
+    return int(steps[0])
+  if above[-1] == len(worst) - 1:
+    return None
+  return int(steps[above[-1] + 1])
+
+
+def summarise(rows: list[dict]) -> dict:
+  """The figures of one run from its metrics rows (one per step)."""
+  train = [r for r in rows if "loss" in r]
+  layers = layer_names(train[0])
+  steps = np.array([r["step"] for r in train])
+  maxvio = np.array([[r[f"{n}/maxvio_batch"] for n in layers] for r in train])  # [steps, layers]
+  worst, median = maxvio.max(axis=1), np.median(maxvio, axis=1)
+  later = steps >= FROM_STEP
+  val = [r for r in rows if "val_loss" in r]
+  return {
+      "step": int(steps[-1]),
+      "worst_median": float(np.median(worst[later])) if later.any() else float("nan"),
+      "worst_max": float(worst[later].max()) if later.any() else float("nan"),
+      "layer_median": float(np.median(median[later])) if later.any() else float("nan"),
+      "global_end": float(train[-1]["moe/maxvio_global"]),
+      "settled_at": settling_step(worst, steps),
+      "dropped": float(sum(r.get("moe/dropped", 0.0) for r in train)),
+      "loss_end": float(np.mean([r["loss"] for r in train[-10:]])),
+      "val_loss": val[-1]["val_loss"] if val else None,
+      "val_step": val[-1]["step"] if val else None,
+  }
+
+
+def table(results: dict, steps: int) -> list[str]:
+  missing = lambda v: v is None or (isinstance(v, float) and np.isnan(v))
+  fmt = lambda v, spec=".3f": "n/a" if missing(v) else format(v, spec)
+  lines = [f"| shape | mode | steps | worst layer's MaxVio_batch, steps {FROM_STEP}-end: median / max | mean "
+           f"over layers: median | MaxVio_global at the end | settled below {SETTLED} from step | dropped "
+           f"tokens | loss (last 10) | validation loss |", "|---" * 10 + "|"]
+  for (shape, mode), r in results.items():
+    reached = f"{r['step']}" if r["step"] >= steps else f"{r['step']} of {steps} (cut short)"
+    val = "n/a" if r["val_loss"] is None else f"{r['val_loss']:.3f} (step {r['val_step']})"
+    lines.append(f"| {shape} | {mode} | {reached} | {fmt(r['worst_median'])} / {fmt(r['worst_max'])} | "
+                 f"{fmt(r['layer_median'])} | {fmt(r['global_end'])} | {fmt(r['settled_at'], 'd')} | "
+                 f"{r['dropped']:.0f} | {r['loss_end']:.3f} | {val} |")
+  return lines
+
+
+def plot(runs: dict, path: pathlib.Path) -> None:
+  """Per shape: MaxVio_batch over steps (worst layer, and median over layers) for each mode; per run,
+  the per-expert load of the layer worst on average, over the logged steps."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  shapes = sorted({s for s, _ in runs}, key=list(SHAPES).index)
+  cols = 1 + max(sum(1 for s, _ in runs if s == shape) for shape in shapes)
+  fig, axes = plt.subplots(len(shapes), cols, figsize=(4.5 * cols, 3.4 * len(shapes)), squeeze=False)
+  for i, shape in enumerate(shapes):
+    ax = axes[i][0]
+    modes = [m for s, m in runs if s == shape]
+    for j, mode in enumerate(modes):
+      train = [r for r in runs[shape, mode] if "loss" in r]
+      layers = layer_names(train[0])
+      steps = [r["step"] for r in train]
+      maxvio = np.array([[r[f"{n}/maxvio_batch"] for n in layers] for r in train])
+      ax.plot(steps, maxvio.max(axis=1), color=f"C{j}", lw=0.7, label=f"{mode}: worst layer")
+      ax.plot(steps, np.median(maxvio, axis=1), color=f"C{j}", lw=0.7, ls="--", label=f"{mode}: median")
+      worst_layer = layers[int(np.argmax(maxvio.mean(axis=0)))]
+      logged = [r for r in train if f"{worst_layer}/load" in r]
+      heat = axes[i][1 + j]
+      if logged:
+        load = np.array([r[f"{worst_layer}/load"] for r in logged]).T  # [experts, logged steps]
+        image = heat.imshow(load, aspect="auto", origin="lower", cmap="magma",
+                            extent=(logged[0]["step"], logged[-1]["step"], 0, load.shape[0]))
+        fig.colorbar(image, ax=heat, label="load / fair share")
+      heat.set(title=f"{shape} {mode}: {worst_layer.split('/')[1]}", xlabel="step", ylabel="expert")
+    ax.axhline(SETTLED, color="gray", lw=0.5)
+    ax.set(yscale="log", title=f"{shape}: MaxVio_batch", xlabel="step")
+    ax.legend(fontsize=6)
+    for extra in axes[i][1 + len(modes):]:
+      extra.axis("off")
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main(args) -> None:
+  import jax
+
+  from moejax.training.loop import run
+
+  if not args.smoke and jax.default_backend() != "gpu":
+    raise SystemExit("benchmarks.balance --gpu needs a GPU; add --smoke for the tiny model on the CPU")
+  began = time.perf_counter()
+  results, runs, stopped = {}, {}, None
+  for shape in args.shapes:
+    for mode in args.modes:
+      workdir = os.path.join(args.workdir, shape, mode)
+      left = args.time_limit_s - (time.perf_counter() - began)
+      done = (read_rows(workdir) or [{}])[-1].get("step", 0) >= args.steps
+      if not done and stopped is None and left > args.min_run_s:
+        config = run_config(shape, mode, args.steps, args.smoke)
+        config.train.time_limit_s = left
+        print(f"{shape} {mode}: training in {workdir} ({left:.0f} s left)", flush=True)
+        run(config, workdir)
+        if (read_rows(workdir) or [{}])[-1].get("step", 0) < args.steps:
+          stopped = (shape, mode)
+      rows = read_rows(workdir)
+      if any("loss" in r for r in rows):
+        runs[shape, mode] = rows
+        results[shape, mode] = summarise(rows)
+  if not results:
+    raise SystemExit("no run has trained a step yet: give --time-limit-s more time")
+  device = "CPU (smoke)" if args.smoke else jax.devices()[0].device_kind
+  seq_len, _, tokens = run_config(args.shapes[0], args.modes[0], args.steps, args.smoke).train.stages[0]
+  lines = [f"Command: `python -m benchmarks.balance --gpu {' '.join(args.argv)}`  ",
+           f"Date: {time.strftime('%Y-%m-%d')}, device: {device}, commit: {commit()}.", "",
+           f"{seq_len}-token rows, {tokens} tokens a step in one pass, on the embedded "
+           f"stdlib corpus; seed and data order alike in every run. MaxVio_batch per layer and step from "
+           f"the metrics log; the statistics start at step {FROM_STEP}. 'oracle' routes each batch with "
+           f"the bias solved on itself (not causal; model.moe.quantile_oracle).", "",
+           *table(results, args.steps)]
+  if stopped is not None:
+    lines += ["", f"Cut short at {stopped[0]} {stopped[1]} by --time-limit-s; the same command resumes."]
+  if not args.smoke or args.figure:
+    figure = pathlib.Path(args.figure) if args.figure else FIGURE
+    plot(runs, figure)
+    lines += ["", f"![MaxVio over steps and the worst layer's load]({os.path.relpath(figure, ROOT)})"]
+  publish(None if args.smoke else args.out, TITLE, lines)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({f"{s} {m}": r for (s, m), r in results.items()}, f, indent=1)
