@@ -64,19 +64,25 @@ def filled_rows(lm, batch: int, context: int, room: int, seed: int = 0) -> Rows:
               jnp.full((batch,), 1 << 30, jnp.int32))
 
 
+def feed_prompt(lm, rows, tokens_1L):
+  """`rows` (one row's caches) after the prompt [1, L] is fed through the prefill path, lm.prefill_chunk
+  tokens a call (the last piece what remains); waits for the last piece."""
+  length = tokens_1L.shape[1]
+  for start in range(0, length, lm.prefill_chunk):
+    piece = tokens_1L[:, start:start + lm.prefill_chunk]
+    rows = lm.engine.prefill(rows, piece, jnp.full((1,), piece.shape[1], jnp.int32))
+  return jax.block_until_ready(rows)
+
+
 def time_prefill(lm, length: int, repeats: int = 3) -> float:
   """Seconds to feed one prompt of `length` tokens into fresh caches (all its pieces); best of repeats
   after one untimed run (compiles)."""
-  piece = min(lm.prefill_chunk, length)
   tokens = jax.random.randint(jax.random.key(1), (1, length), 3, lm.vocab_size, jnp.int32)
   best = math.inf
   for r in range(repeats + 1):
-    rows = Rows.empty(lm.model.cfg, 1, length)
-    jax.block_until_ready(rows)
+    rows = jax.block_until_ready(Rows.empty(lm.model.cfg, 1, length))
     t0 = time.perf_counter()
-    for start in range(0, length, piece):
-      rows = lm.engine.prefill(rows, tokens[:, start:start + piece], jnp.full((1,), piece, jnp.int32))
-    jax.block_until_ready(rows.logits_BV)
+    rows = feed_prompt(lm, rows, tokens)
     if r:
       best = min(best, time.perf_counter() - t0)
     del rows

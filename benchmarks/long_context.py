@@ -96,6 +96,7 @@ def prefill(args, progress=lambda lines: None) -> tuple[list[str], dict]:
   import jax.numpy as jnp
   import numpy as np
 
+  from benchmarks.generate import feed_prompt
   from moejax.config import load_experiment
   from moejax.data import tokenizer as tk
   from moejax.evaluation import passkey
@@ -126,12 +127,9 @@ def prefill(args, progress=lambda lines: None) -> tuple[list[str], dict]:
     warm = lm.engine.prefill(Rows.empty(lm.model.cfg, 1, length), tokens[:, :piece], full)  # compiles
     jax.block_until_ready(warm.logits_BV)
     del warm
-    rows = Rows.empty(lm.model.cfg, 1, length)
-    jax.block_until_ready(rows)
+    rows = jax.block_until_ready(Rows.empty(lm.model.cfg, 1, length))
     t0 = time.perf_counter()
-    for start in range(0, length, piece):
-      rows = lm.engine.prefill(rows, tokens[:, start:start + piece], full)
-    jax.block_until_ready(rows.logits_BV)
+    rows = feed_prompt(lm, rows, tokens)
     seconds = time.perf_counter() - t0
     finite = bool(np.all(np.isfinite(np.asarray(rows.logits_BV))))
     latents = sum(x.size * x.dtype.itemsize for p, x in jax.tree_util.tree_flatten_with_path(rows.cache)[0]

@@ -29,15 +29,21 @@ def bucket_edges(length: int, first: int = FIRST_EDGE) -> list[int]:
   return edges + [length]
 
 
-def bucket_means(nll_BT: np.ndarray, lengths_B: np.ndarray, edges: list[int]) -> list[dict]:
-  """Per bucket [start, end): the mean of nll over the rows' real positions in it, and their count."""
+def bucket_sums(nll_BT: np.ndarray, lengths_B: np.ndarray, edges: list[int]) -> tuple[np.ndarray, np.ndarray]:
+  """(sums [buckets] float64, counts [buckets]) of nll over the rows' real positions (those below each
+  row's length) in each bucket [edges[i], edges[i + 1])."""
   real_BT = np.arange(nll_BT.shape[1])[None, :] < np.asarray(lengths_B)[:, None]
-  out = []
-  for start, end in zip(edges[:-1], edges[1:], strict=True):
-    n = int(real_BT[:, start:end].sum())
-    total = float(np.where(real_BT[:, start:end], nll_BT[:, start:end], 0.0).sum(dtype=np.float64))
-    out.append({"start": start, "end": end, "tokens": n, "loss": total / n if n else None})
-  return out
+  nll_BT = np.where(real_BT, nll_BT, 0.0).astype(np.float64)
+  sums = np.array([nll_BT[:, s:e].sum() for s, e in zip(edges[:-1], edges[1:], strict=True)])
+  counts = np.array([int(real_BT[:, s:e].sum()) for s, e in zip(edges[:-1], edges[1:], strict=True)])
+  return sums, counts
+
+
+def bucket_means(sums: np.ndarray, counts: np.ndarray, edges: list[int]) -> list[dict]:
+  """Per bucket [start, end): the mean loss of `bucket_sums` (None where it has no position) and the
+  count."""
+  return [{"start": s, "end": e, "tokens": int(n), "loss": float(t / n) if n else None}
+          for s, e, n, t in zip(edges[:-1], edges[1:], counts, sums, strict=True)]
 
 
 def validation_documents(config, min_tokens: int, limit: int | None = None) -> list[np.ndarray]:
@@ -73,11 +79,10 @@ def loss_by_position(lm, documents: list[np.ndarray], length: int, *, batch: int
   for at in range(0, len(documents), batch):
     rows = np.stack([d[:length + 1] for d in documents[at:at + batch]])
     scores = score_rows(lm, rows[:, :-1], rows[:, 1:], piece=piece)
-    for k, b in enumerate(bucket_means(scores.nll_BT, np.full(len(rows), length), edges)):
-      sums[k] += (b["loss"] or 0.0) * b["tokens"]
-      counts[k] += b["tokens"]
-  buckets = [{"start": s, "end": e, "tokens": int(n), "loss": float(t / n) if n else None}
-             for s, e, n, t in zip(edges[:-1], edges[1:], counts, sums, strict=True)]
+    row_sums, row_counts = bucket_sums(scores.nll_BT, np.full(len(rows), length), edges)
+    sums += row_sums
+    counts += row_counts
+  buckets = bucket_means(sums, counts, edges)
   total = int(counts.sum())
   return {"length": length, "documents": len(documents), "tokens": total,
           "loss": float(sums.sum() / total) if total else None, "buckets": buckets}

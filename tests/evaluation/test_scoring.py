@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from moejax.config import load_experiment
-from moejax.evaluation.perplexity import bucket_edges, bucket_means, loss_by_position
+from moejax.evaluation.perplexity import bucket_edges, bucket_means, bucket_sums, loss_by_position
 from moejax.evaluation.scoring import score_rows
 from moejax.inference import random_model
 
@@ -61,10 +61,9 @@ def test_loss_by_position_averages_the_plain_forward_in_buckets():
   edges = bucket_edges(length)
   assert edges == [0, 64, 128, 130] and [b["start"] for b in r["buckets"]] == [0, 64, 128]
   nll = np.stack([plain_nll(lm, d[:length], d[1:length + 1])[0] for d in docs])
-  want = bucket_means(nll, np.full(3, length), edges)
-  for got, ref in zip(r["buckets"], want, strict=True):
-    assert got["tokens"] == ref["tokens"] == 3 * (ref["end"] - ref["start"])
-    np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
+  for got, start, end in zip(r["buckets"], edges[:-1], edges[1:], strict=True):
+    assert got["tokens"] == 3 * (end - start)
+    np.testing.assert_allclose(got["loss"], nll[:, start:end].mean(), rtol=1e-5)
   np.testing.assert_allclose(r["loss"], nll.mean(), rtol=1e-5)
   assert r["documents"] == 3 and r["tokens"] == 3 * length
   with pytest.raises(ValueError, match="shorter than length"):
@@ -77,3 +76,15 @@ def test_bad_rows_are_refused():
     score_rows(lm, np.full((1, 4), lm.vocab_size), np.zeros((1, 4)))
   with pytest.raises(ValueError, match="lengths"):
     score_rows(lm, np.zeros((1, 4)), np.zeros((1, 4)), [5])
+
+
+def test_bucket_sums_count_only_each_rows_real_positions():
+  rng = np.random.default_rng(0)
+  nll, lengths, edges = rng.random((3, 10)), np.array([10, 4, 0]), [0, 3, 6, 10]
+  sums, counts = bucket_sums(nll, lengths, edges)
+  for k, (start, end) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
+    real = [nll[b, t] for b in range(3) for t in range(start, end) if t < lengths[b]]
+    assert counts[k] == len(real) and sums[k] == pytest.approx(sum(real))
+  means = bucket_means(sums, counts, edges)
+  assert [m["tokens"] for m in means] == [6, 4, 4] and means[1]["loss"] == pytest.approx(sums[1] / 4)
+  assert bucket_means(np.zeros(1), np.zeros(1, int), [0, 5])[0]["loss"] is None
