@@ -42,7 +42,8 @@ class Conversation:
   tokens in all; the caches grow (in powers of two) as the turns need.
   """
 
-  def __init__(self, lm, batch: int, *, seed: int = 0):
+  def __init__(self, lm, batch: int, *, seed: int = 0, record_routing: bool = False):
+    """record_routing: keep the experts every fed position took (`routing`, for routing replay)."""
     if not isinstance(batch, int) or batch < 1:
       raise ValueError(f"a conversation needs at least one row, got batch={batch!r}")
     self.lm = lm
@@ -53,6 +54,16 @@ class Conversation:
     self._rows: Rows | None = None
     self.lengths = [0] * batch  # tokens each row's caches hold
     self._unfed: list[list[int]] = [[] for _ in range(batch)]  # each row's last drawn token, not yet fed
+    self.record_routing = record_routing
+
+  def routing(self, row: int) -> np.ndarray:
+    """int32 [held tokens, MoE layers, k]: the experts each token row `row` holds took when it was fed,
+    in order (moejax/moe/replay.py). Needs record_routing."""
+    if not self.record_routing:
+      raise ValueError("this conversation does not record routing: Conversation(..., record_routing=True)")
+    if self._rows is None:
+      raise ValueError("nothing was fed yet")
+    return np.asarray(self._rows.routing.experts_BSLK[row, :self.lengths[row]])
 
   def turn(self, new_tokens: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
@@ -179,9 +190,11 @@ class Conversation:
     """Caches with room for `need` positions a row: made on the first turn, grown on a later one."""
     length = min(bucket(need, 16), self.lm.cache_len)
     if self._rows is None:
-      self._rows = Rows.empty(self.lm.model.cfg, self._rows_padded, length)
-    elif cache_length(self._rows.cache) < length:
-      self._rows = self._rows._replace(cache=grow_cache(self._rows.cache, length))
+      self._rows = Rows.empty(self.lm.model.cfg, self._rows_padded, length, self.record_routing)
+    elif cache_length(self._rows.cache) < length or (
+        self.record_routing and self._rows.routing.experts_BSLK.shape[1] < length):
+      routing = None if self._rows.routing is None else self._rows.routing.grown(length)
+      self._rows = self._rows._replace(cache=grow_cache(self._rows.cache, length), routing=routing)
 
   def _prefill(self, feeds: list[list[int]], encoded: list[list] | None = None) -> None:
     """Feeds the rows' tokens in pieces of one bucketed length (at most inference.prefill_chunk). With

@@ -14,12 +14,45 @@ import jax.numpy as jnp
 
 from moejax.inference.sampling import Sampling, sample
 from moejax.model import Transformer, init_cache
+from moejax.moe import replay
 
 
 def bucket(n: int, minimum: int = 1) -> int:
   """The smallest power of two >= max(n, minimum)."""
   n = max(int(n), minimum, 1)
   return 1 << (n - 1).bit_length()
+
+
+class RoutingRecord(NamedTuple):
+  """The experts every fed position took, per MoE layer (routing replay, moejax/moe/replay.py).
+
+  experts_BSLK: int32 [B, positions, MoE layers, k], -1 where nothing was fed yet. fed_B: positions
+  filled per row."""
+
+  experts_BSLK: jax.Array
+  fed_B: jax.Array
+
+  @classmethod
+  def empty(cls, cfg_model, batch: int, length: int) -> "RoutingRecord":
+    layers = len(replay.moe_layers(cfg_model))
+    return cls(jnp.full((batch, length, layers, cfg_model.moe.top_k), replay.NOT_REPLAYED, jnp.int32),
+               jnp.zeros((batch,), jnp.int32))
+
+  def written(self, experts_BTLK, lengths_B) -> "RoutingRecord":
+    """The record after each row's first lengths_B[b] positions of a piece took experts_BTLK."""
+    B, T = experts_BTLK.shape[:2]
+    t_T = jnp.arange(T, dtype=jnp.int32)
+    pos_BT = jnp.where(t_T[None] < lengths_B[:, None], self.fed_B[:, None] + t_T[None],
+                       self.experts_BSLK.shape[1])  # padding: out of range, dropped
+    experts = self.experts_BSLK.at[jnp.arange(B)[:, None], pos_BT].set(experts_BTLK, mode="drop")
+    return RoutingRecord(experts, self.fed_B + lengths_B)
+
+  def grown(self, length: int) -> "RoutingRecord":
+    pad = length - self.experts_BSLK.shape[1]
+    if pad <= 0:
+      return self
+    return self._replace(experts_BSLK=jnp.pad(self.experts_BSLK, ((0, 0), (0, pad), (0, 0), (0, 0)),
+                                              constant_values=replay.NOT_REPLAYED))
 
 
 class Rows(NamedTuple):
@@ -30,6 +63,7 @@ class Rows(NamedTuple):
   drawn_B: tokens sampled for the row so far, over all turns (each draw's key is the row's key folded
   with this count, so what a row samples does not depend on how the decoding is cut into calls, nor on
   the rest of the batch). limit_B: drawn_B at which the row stops this turn (max_new_tokens reached).
+  routing: the experts each fed position took (`RoutingRecord`), or None: not recorded.
   """
 
   cache: dict
@@ -37,12 +71,15 @@ class Rows(NamedTuple):
   done_B: jax.Array
   drawn_B: jax.Array
   limit_B: jax.Array
+  routing: RoutingRecord | None = None
 
   @classmethod
-  def empty(cls, cfg_model, batch: int, length: int) -> "Rows":
-    """Rows with empty caches of `length` positions, all done, nothing drawn."""
+  def empty(cls, cfg_model, batch: int, length: int, record_routing: bool = False) -> "Rows":
+    """Rows with empty caches of `length` positions, all done, nothing drawn; with `record_routing`, a
+    `RoutingRecord` of as many positions."""
     return cls(init_cache(cfg_model, batch, length), jnp.zeros((batch, cfg_model.vocab_size), jnp.float32),
-               jnp.ones((batch,), bool), jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32))
+               jnp.ones((batch,), bool), jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32),
+               RoutingRecord.empty(cfg_model, batch, length) if record_routing else None)
 
 
 def grow_cache(cache: dict, length: int) -> dict:
@@ -77,15 +114,21 @@ def prefill_piece(model: Transformer, variables, rows: Rows, tokens_BT, lengths_
 def append(model: Transformer, variables, rows: Rows, tokens_BT, lengths_B, embeddings_BTD=None) -> Rows:
   """Appends each row's first lengths_B[b] tokens of tokens_BT (or, given instead, of embeddings_BTD:
   a prompt whose images are in place) to its caches; a row that took any gets the logits after its last
-  one. Rows that take none are left as they were."""
+  one. Rows that take none are left as they were. Rows with a `RoutingRecord` record the experts the
+  tokens took."""
+  mutable = False if rows.routing is None else [replay.ROUTING]
   if embeddings_BTD is None:
-    h_BTD, cache = model.apply(variables, tokens_BT, cache=rows.cache, lengths_B=lengths_B)
+    out = model.apply(variables, tokens_BT, cache=rows.cache, lengths_B=lengths_B, mutable=mutable)
   else:
-    h_BTD, cache = model.apply(variables, embeddings_BTD=embeddings_BTD, cache=rows.cache,
-                               lengths_B=lengths_B)
+    out = model.apply(variables, embeddings_BTD=embeddings_BTD, cache=rows.cache, lengths_B=lengths_B,
+                      mutable=mutable)
+  (h_BTD, cache), sown = out if mutable else (out, None)
+  routing = rows.routing
+  if routing is not None:
+    routing = routing.written(replay.stack(sown[replay.ROUTING], model.cfg), lengths_B)
   logits_BV = _last_logits(model, variables, h_BTD, lengths_B)
   logits_BV = jnp.where((lengths_B > 0)[:, None], logits_BV, rows.logits_BV)
-  return rows._replace(cache=cache, logits_BV=logits_BV)
+  return rows._replace(cache=cache, logits_BV=logits_BV, routing=routing)
 
 
 def decode_block(model: Transformer, variables, rows: Rows, keys_B, eos_id, *, steps: int,

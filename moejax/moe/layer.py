@@ -23,6 +23,10 @@ Sown into the collection "router" (each a plain array, overwritten per call), wh
   aux_loss   []  float32   balance="aux": the sequence-wise loss times aux_loss_weight (add it to the
                            training loss; it carries the router gradient).
 
+Routing replay (moejax/moe/replay.py), on one token shard: where the collection "routing" is mutable
+the layer sows "experts" [B, T, k], what each token took; given a "replay" collection it takes that
+collection's "experts" instead (a token of -1s chooses its own), weighted by the router's scores.
+
 Gradient accumulation: with float32 accumulators of the routed experts' weights in the collection
 `moejax.nn.GRAD_ACC` (the names of EXPERT_WEIGHTS), each weight's gradient comes back as its
 accumulator plus this pass's, and the layer sows a marker into `moejax.nn.GRAD_ACC_TAKEN`. Without a
@@ -43,6 +47,7 @@ from moejax.layers.packing import document_ids_of
 from moejax.moe.balance import quantile_bias
 from moejax.moe.dispatch import dropless_moe
 from moejax.moe.expert_parallel import default_exchange, expert_parallel
+from moejax.moe.replay import EXPERTS, REPLAY, ROUTING
 from moejax.moe.router import expert_load, router_scores, select_experts, sequence_aux_loss_terms
 from moejax.nn import (
   GRAD_ACC,
@@ -63,9 +68,11 @@ EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
 
 
 def _routed(w, x_BTD, doc_BT, bias_E, *, cfg, stats_wanted: bool, axes: tuple[str, ...],
-            exchange: str | None, grad_accs=None):
+            exchange: str | None, grad_accs=None, replay_BTK=None, record: bool = False):
   """Routed half of the layer on one shard of tokens (or all of them). Returns (y_BTD, stats).
-  grad_accs: None, or the experts' gradient accumulators (outside any shard_map only)."""
+  grad_accs: None, or the experts' gradient accumulators (outside any shard_map only). replay_BTK: the
+  experts to take instead (routing replay, moejax/moe/replay.py); `record`: stats["experts"] [B, T, k]
+  holds the experts taken (both on one shard only)."""
   e, dtype = cfg.moe, jnp.dtype(cfg.dtype)
   b, t, d = x_BTD.shape
   n, k = e.num_experts, e.top_k
@@ -84,8 +91,11 @@ def _routed(w, x_BTD, doc_BT, bias_E, *, cfg, stats_wanted: bool, axes: tuple[st
     oracle = stats_wanted and e.balance == "quantile" and e.quantile_oracle
     if oracle:  # this batch's own bias, warm-started from the carried one (config.py: not causal)
       bias_E = solve_bias(bias_E)
-    idx_MK, p_MK = select_experts(s_ME, bias_E, k, e.routed_scaling)
+    forced_MK = None if replay_BTK is None else replay_BTK.reshape(b * t, k)
+    idx_MK, p_MK = select_experts(s_ME, bias_E, k, e.routed_scaling, forced_MK)
     stats = {"load": reduce(expert_load(idx_MK, n))}
+    if record:
+      stats["experts"] = idx_MK.reshape(b, t, k)
 
   with jax.named_scope("latent_down"):
     h_ML = matmul("md,dl->ml", x_MD, w["w_down"], dtype)
@@ -200,11 +210,22 @@ class MoE(nn.Module):
       # replicate it: inside, each shard would add the accumulator once.
       w = {**w, **{name: add_to_gradient(w[name], acc) for name, acc in grad_accs.items()}}
       grad_accs = None
+    replay_BTK = self.get_variable(REPLAY, EXPERTS) if self.has_variable(REPLAY, EXPERTS) else None
+    record = self.is_mutable_collection(ROUTING)
+    if (replay_BTK is not None or record) and axes:
+      raise ValueError("routing replay (recording or replaying the experts) needs the tokens on one shard: "
+                       f"this mesh splits them over {axes}")
+    if replay_BTK is not None and tuple(replay_BTK.shape) != (*x_BTD.shape[:2], e.top_k):
+      raise ValueError(f"replayed experts {tuple(replay_BTK.shape)} do not match the tokens "
+                       f"{tuple(x_BTD.shape[:2])} and top_k={e.top_k}")
     fn = functools.partial(_routed, cfg=cfg, stats_wanted=self.is_mutable_collection("router"),
-                           axes=axes, exchange=exchange, grad_accs=grad_accs)
+                           axes=axes, exchange=exchange, grad_accs=grad_accs, replay_BTK=replay_BTK,
+                           record=record)
     if axes:
       fn = self._shard_mapped(fn, w, x_BTD, axes, ep, meshlib.token_shards(mesh))
     routed_BTD, stats = fn(w, x_BTD, doc_BT, bias.value)
+    if record:
+      self.sow(ROUTING, EXPERTS, stats.pop("experts"), init_fn=lambda: None, reduce_fn=lambda _, new: new)
     for name, value in stats.items():
       self.sow("router", name, value, init_fn=lambda: None, reduce_fn=lambda _, new: new)
     if not shared:

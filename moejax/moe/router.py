@@ -92,12 +92,17 @@ def _logits_bwd(res, dl_ME):
 logits_bf16x3.defvjp(_logits_fwd, _logits_bwd)
 
 
-def select_experts(s_ME, bias_E, k: int, scaling: float):
+def select_experts(s_ME, bias_E, k: int, scaling: float, forced_MK=None):
   """Top-k of s + bias; weights are the chosen unbiased scores, normalised over k, times `scaling`.
 
-  The bias only moves the selection: it gets no gradient.
+  The bias only moves the selection: it gets no gradient. forced_MK [M, k]: experts that a token takes
+  instead (routing replay, moejax/moe/replay.py); a token whose entries are -1 chooses its own.
   """
   _, idx_MK = jax.lax.top_k(s_ME + jax.lax.stop_gradient(bias_E), k)
+  if forced_MK is not None:
+    if forced_MK.shape != idx_MK.shape:
+      raise ValueError(f"forced experts {forced_MK.shape} do not match the tokens' top-k {idx_MK.shape}")
+    idx_MK = jnp.where(forced_MK[:, :1] >= 0, forced_MK.astype(idx_MK.dtype), idx_MK)
   s_MK = jnp.take_along_axis(s_ME, idx_MK, axis=1)
   p_MK = s_MK / jnp.sum(s_MK, axis=1, keepdims=True) * scaling
   return idx_MK.astype(jnp.int32), p_MK

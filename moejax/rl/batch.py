@@ -9,13 +9,16 @@ padded with empty rows to a fixed count: the step compiles once per length bucke
 import numpy as np
 
 from moejax.inference.engine import bucket
+from moejax.moe.replay import NOT_REPLAYED
 from moejax.rl.grpo import aggregation_weights
 
 
 def update_batch(transcripts, advantages, *, version: int, aggregation: str, rows: int | None = None,
-                 length: int | None = None) -> dict:
+                 length: int | None = None, routing: tuple[int, int] | None = None) -> dict:
   """The arrays of one policy update over `transcripts` (each a `Transcript`), `advantages` one per
-  transcript; `version`: the current policy's (its tokens are `fresh`)."""
+  transcript; `version`: the current policy's (its tokens are `fresh`). routing = (MoE layers, k): also
+  "replay_experts" [rows, T, layers, k], each input position's recorded experts (-1 where none was
+  recorded: it routes itself)."""
   n = len(transcripts)
   if n == 0 or len(advantages) != n:
     raise ValueError(f"{n} transcripts and {len(advantages)} advantages: need as many, at least one")
@@ -41,7 +44,15 @@ def update_batch(transcripts, advantages, *, version: int, aggregation: str, row
     old_logp[b, :m] = np.asarray(t.logprobs[1:], np.float32)
     fresh[b, :m] = policy[b, :m] * (np.asarray(t.versions[1:]) == version)
     adv[b] = advantages[b]
-  return {"tokens": tokens, "targets": targets, "segment_ids": segments, "policy_mask": policy,
+  extra = {}
+  if routing is not None:
+    replayed = np.full((rows, T, *routing), NOT_REPLAYED, np.int32)
+    for b, t in enumerate(transcripts):
+      n = min(len(t) - 1, len(t.routing))
+      if n:
+        replayed[b, :n] = np.asarray(t.routing[:n], np.int32).reshape(n, *routing)
+    extra["replay_experts"] = replayed
+  return {**extra, "tokens": tokens, "targets": targets, "segment_ids": segments, "policy_mask": policy,
           "loss_mask": np.asarray(aggregation_weights(policy, aggregation), np.float32), "old_logp": old_logp,
           "fresh": fresh, "advantages": adv}
 

@@ -58,6 +58,10 @@ def rl_config() -> ml_collections.ConfigDict:
   # one drawn by a policy more than max_staleness versions old is dropped with its group.
   g.rollout_tokens = 0
   g.max_staleness = 2
+  # Routing replay (moejax/moe/replay.py): the rollout records the experts every position took, and the
+  # updates route those positions the same way; the router's weights of them still train. Needs
+  # model.scan_layers False.
+  g.routing_replay = False
 
   e = r.eval = ml_collections.ConfigDict()
   e.tasks = 64  # held-out tasks of each kind, one sample each (at grpo.temperature) and one greedy
@@ -103,6 +107,8 @@ def validate_rl(config) -> ml_collections.ConfigDict:
        f"rl.grpo.minibatches={g.minibatches} must divide the {g.groups * g.group_size} episodes of a batch")
   need(g.rollout_tokens >= 0 and g.max_staleness >= 0, "rl.grpo: rollout_tokens and max_staleness >= 0")
   need(g.lr > 0 and s.lr > 0, "rl.sft.lr and rl.grpo.lr must be > 0")
+  need(not (g.routing_replay and config.model.scan_layers),
+       "rl.grpo.routing_replay needs model.scan_layers=False: scanned layers' choices are not recorded")
   need(r.eval.tasks >= 1 and r.eval.every >= 1 and r.checkpoint_every >= 1 and r.keep_checkpoints >= 1,
        "rl.eval.tasks, rl.eval.every, rl.checkpoint_every and rl.keep_checkpoints must be >= 1")
   return config

@@ -34,6 +34,7 @@ from moejax.inference.loading import (
   restore_variables,
 )
 from moejax.model import build_model
+from moejax.moe import replay
 from moejax.rl import demonstrations as demos
 from moejax.rl.batch import sft_batch, update_batch
 from moejax.rl.checkpoint import RLCheckpoints
@@ -142,8 +143,11 @@ class Trainer:
     """The policy updates on the kept episodes, after the log-probability check."""
     g = self.g
     rows = int(g.groups) * int(g.group_size)
+    routing = None
+    if g.routing_replay:
+      routing = (len(replay.moe_layers(self.config.model)), int(self.config.model.moe.top_k))
     batch = update_batch([e.transcript for e in episodes], advantages_of(episodes), version=iteration,
-                         aggregation=g.aggregation, rows=rows)
+                         aggregation=g.aggregation, rows=rows, routing=routing)
     metrics = to_row(self.mismatch_fn(self.state, {k: jnp.asarray(v) for k, v in batch.items()}))
     if self.reference is not None:
       ref_state = self.state.replace(params=self.reference)

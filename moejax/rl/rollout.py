@@ -113,5 +113,8 @@ def play(lm, episodes: list[Episode], make_env: Callable[[], ToolEnv], *, versio
       feeds[b] = ids
     if all(e.done for e in running) or (token_budget and stats.sampled_tokens >= token_budget):
       break
+  if getattr(conversation, "record_routing", False):
+    for b, e in enumerate(running):
+      e.transcript.add_routing(conversation.routing(b))
   stats.seconds = time.perf_counter() - start
   return stats

@@ -18,6 +18,9 @@ class Transcript:
   policy_mask: list[int] = dataclasses.field(default_factory=list)  # 1: drawn by the policy
   logprobs: list[float] = dataclasses.field(default_factory=list)  # the drawing policy's; 0.0 for context
   versions: list[int] = dataclasses.field(default_factory=list)  # policy version that drew it; -1 context
+  # Routing replay: per position from the first, the experts it took when the rollout fed it, its MoE
+  # layers' top-k flattened (moejax/moe/replay.py); positions not fed yet (the last token) have none.
+  routing: list[list[int]] = dataclasses.field(default_factory=list)
 
   def add_context(self, tokens) -> None:
     tokens = [int(t) for t in tokens]
@@ -35,6 +38,12 @@ class Transcript:
     self.logprobs += [float(x) for x in logprobs]
     self.versions += [int(version)] * len(tokens)
 
+  def add_routing(self, experts_SLK) -> None:
+    """The rollout's expert choices of positions 0.. S-1 (int [S, layers, k]); positions already
+    recorded keep their first record (the pass whose log-probabilities the transcript holds)."""
+    for row in experts_SLK[len(self.routing):]:
+      self.routing.append([int(x) for x in row.reshape(-1)])
+
   def __len__(self) -> int:
     return len(self.tokens)
 
@@ -51,7 +60,10 @@ class Transcript:
 
   @classmethod
   def from_dict(cls, d: dict) -> "Transcript":
-    t = cls(list(d["tokens"]), list(d["policy_mask"]), list(d["logprobs"]), list(d["versions"]))
+    t = cls(list(d["tokens"]), list(d["policy_mask"]), list(d["logprobs"]), list(d["versions"]),
+            [list(r) for r in d.get("routing", [])])
     if not len(t.tokens) == len(t.policy_mask) == len(t.logprobs) == len(t.versions):
       raise ValueError("a transcript's tokens, mask, log-probabilities and versions differ in length")
+    if len(t.routing) > len(t.tokens):
+      raise ValueError(f"a transcript of {len(t.tokens)} tokens has routing for {len(t.routing)} positions")
     return t

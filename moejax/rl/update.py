@@ -10,10 +10,12 @@ spent are paused to the next iteration.
 """
 
 import dataclasses
+import functools
 from collections import defaultdict
 
 import numpy as np
 
+from moejax.inference.conversation import Conversation
 from moejax.rl import demonstrations as demos
 from moejax.rl.advantages import group_advantages, informative_groups, overlong_penalty
 from moejax.rl.rollout import Episode, new_episode, play
@@ -68,7 +70,8 @@ def collect(trainer, paused: list[Episode], next_group: int, iteration: int) -> 
     stats = play(trainer.lm, pending, trainer.make_env, version=iteration,
                  seed=_seed(rl.seed, 5, iteration, r), temperature=float(g.temperature),
                  max_turn_tokens=int(rl.max_turn_tokens), episode_tokens=int(rl.episode_tokens),
-                 token_budget=budget - spent if budget else 0)
+                 token_budget=budget - spent if budget else 0,
+                 conversation=functools.partial(Conversation, record_routing=bool(g.routing_replay)))
     spent += stats.sampled_tokens
     m["rollout_sampled_tokens"] += stats.sampled_tokens
     m["rollout_fed_tokens"] += stats.fed_tokens

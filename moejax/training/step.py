@@ -13,6 +13,7 @@ from moejax.layers.packing import Packing
 from moejax.model import Transformer, per_layer
 from moejax.moe import balance as balance_lib
 from moejax.moe import metrics as metrics_lib
+from moejax.moe import replay
 from moejax.nn import GRAD_ACC, GRAD_ACC_TAKEN
 from moejax.training import optimizers as optim_lib
 from moejax.training.accumulation import AccumulatorLayout, check_taken, combine_passes
@@ -39,6 +40,14 @@ def _mla_max_logits(attn_stats):
   return {prefix: jnp.max(jnp.stack(vs), axis=0) for prefix, vs in sown.items()}
 
 
+def replayed_routing(batch, cfg_model) -> dict:
+  """{REPLAY: the collection} where the batch carries "replay_experts" (routing replay,
+  moejax/moe/replay.py), else {}."""
+  if "replay_experts" not in batch:
+    return {}
+  return {replay.REPLAY: replay.unstack(batch["replay_experts"], cfg_model)}
+
+
 def make_train_step(model: Transformer, optimizer: optax.GradientTransformation, config, total_steps: int,
                     loss_fn: LossFn = next_token_loss):
   """total_steps: the length the optimizer's schedule was built for (`init_state`), for the lr metric.
@@ -53,7 +62,7 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
   def objective(params, balance_vars, batch, ce_weight=1.0, aux_weight=1.0, grad_acc=None):
     """ce_weight * loss_fn + aux_weight * the MoE aux losses, for one pass over `batch`.
     grad_acc: the nn.GRAD_ACC collection (gradient accumulators the model adds in), or None."""
-    variables = {"params": params, "balance": balance_vars}
+    variables = {"params": params, "balance": balance_vars, **replayed_routing(batch, cfg)}
     if grad_acc:
       variables[GRAD_ACC] = grad_acc
     (h_BTD, _), stats = model.apply(variables, batch["tokens"], batch["segment_ids"], images=images_of(batch),
@@ -188,7 +197,8 @@ def make_eval_step(model: Transformer, config, loss_fn: LossFn = next_token_loss
   cfg = config.model
 
   def eval_step(state: TrainState, batch):
-    (h_BTD, _), _ = model.apply({"params": state.params, "balance": state.balance},
+    (h_BTD, _), _ = model.apply({"params": state.params, "balance": state.balance,
+                                 **replayed_routing(batch, cfg)},
                                 batch["tokens"], batch["segment_ids"], images=images_of(batch),
                                 mutable=["router"])
     _, metrics = loss_fn(h_BTD, head_matrix(state.params, cfg), batch, cfg)

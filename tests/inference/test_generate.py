@@ -161,3 +161,26 @@ def test_bucket():
   assert [bucket(n, 16) for n in (1, 16, 17, 33)] == [16, 16, 32, 64]
   assert bucket(3) == 4 and bucket(1) == 1
   assert jax.tree.leaves(engine_lib.grow_cache({"latent": np.zeros((2, 4, 3))}, 8))[0].shape == (2, 8, 3)
+
+
+def test_recorded_routing_is_the_whole_rows_routing(lm):
+  """Conversation(record_routing=True) keeps the experts every fed position took, over prefill pieces,
+  decode steps and a second turn: those of one forward pass over the row's held tokens (float32: the
+  same choices). The caches and the record grow together; a conversation that does not record refuses."""
+  from moejax.moe import replay
+
+  small = dataclasses.replace(lm, prefill_chunk=16)
+  prompts = _prompts([21, 5])
+  chat = Conversation(small, 2, record_routing=True)
+  first = chat.turn(prompts, max_new_tokens=6)
+  second = chat.turn([[7, 8, 9], []], max_new_tokens=40, active=[True, False])  # grows the caches
+  rows = [prompts[0] + first.tokens[0] + [7, 8, 9] + second.tokens[0], prompts[1] + first.tokens[1]]
+  cfg = small.model.cfg
+  for b, row in enumerate(rows):
+    got = chat.routing(b)
+    assert got.shape == (chat.lengths[b], len(replay.moe_layers(cfg)), cfg.moe.top_k)
+    assert chat.lengths[b] == len(row) - 1  # all but the last drawn token, which waits to be fed
+    _, sown = small.model.apply(small.variables, np.asarray([row[:-1]], np.int32), mutable=[replay.ROUTING])
+    np.testing.assert_array_equal(got, np.asarray(replay.stack(sown[replay.ROUTING], cfg))[0])
+  with pytest.raises(ValueError, match="record_routing=True"):
+    Conversation(small, 1).routing(0)

@@ -231,6 +231,37 @@ def test_quantile_oracle_routes_the_batch_with_its_own_bias(setup):
     validate(c)
 
 
+def test_replayed_experts_route_and_the_router_keeps_its_gradient(setup):
+  """A REPLAY collection forces each token's experts (moejax/moe/replay.py): the output is the per-token
+  loop's over those experts, a token of -1s chooses its own, the sown ROUTING holds what was taken, and
+  the router still gets a gradient (through the weights of the replayed experts)."""
+  cfg, model, x, params, balance = setup
+  M, k, n = B * T, cfg.moe.top_k, cfg.moe.num_experts
+  rng = np.random.default_rng(3)
+  forced = np.stack([rng.choice(n, k, replace=False) for _ in range(M)]).astype(np.int32)
+  forced[::3] = -1  # every third token routes itself
+  own = chosen_experts(params, balance["bias"], x.reshape(M, -1), k)
+  taken = np.where(forced[:, :1] >= 0, forced, own)
+  replayed = {"experts": jnp.asarray(forced.reshape(B, T, k))}
+  variables = {"params": params, "balance": balance, "replay": replayed}
+  y, sown = jax.jit(model.apply, static_argnames="mutable")(variables, x, mutable=("routing", "router"))
+  np.testing.assert_array_equal(np.asarray(sown["routing"]["experts"]).reshape(M, k), taken)
+  np.testing.assert_array_equal(sown["router"]["load"], np.bincount(taken.ravel(), minlength=n))
+  want = reference(params, x.reshape(M, -1), taken, cfg).reshape(y.shape)
+  chex.assert_trees_all_close(y, want, atol=2e-5, rtol=2e-5)
+
+  def router_grad(vs):
+    return jax.grad(lambda p: jnp.sum(model.apply({**vs, "params": p}, x) ** 2))(params)["router"]
+
+  g = jax.jit(router_grad)(variables)
+  g_ref = jax.grad(lambda r: jnp.sum(reference({**params, "router": r}, x.reshape(M, -1), taken, cfg) ** 2))(
+      params["router"])
+  chex.assert_trees_all_close(g, g_ref, atol=1e-4, rtol=1e-4)
+  assert float(jnp.abs(g).max()) > 0
+  with pytest.raises(ValueError, match="replayed experts"):
+    model.apply({**variables, "replay": {"experts": jnp.zeros((B, T, k + 1), jnp.int32)}}, x)
+
+
 def test_balance_implementation_reaches_the_quantile_bias(setup):
   """model.moe.balance_implementation picks quantile_bias's implementation: the kernels (interpret
   mode) sow the same bits as XLA; a name the config check would refuse fails at the call."""

@@ -2,6 +2,8 @@
 order, only the policy's tokens enter the loss, and the trainer's log-probabilities of them are the
 rollout's (float32, CPU)."""
 
+import dataclasses
+import functools
 import types
 
 import jax
@@ -158,3 +160,46 @@ def test_trainer_logprobs_match_the_rollouts_over_multi_turn_episodes(lm):  # no
   print("logp mismatch", metrics)
   assert 0 < float(metrics["logp_mismatch"]) < 1e-4, metrics  # zero would mean the same path ran twice
   assert float(metrics["logp_mismatch_max"]) < 1e-3, metrics
+
+
+def test_routing_replay_carries_the_rollouts_experts_into_the_update(lm):  # noqa: F811
+  """With routing recorded, the update batch's replay_experts are the experts each input position took
+  in the rollout; the trainer's forward routes by them even where its own router would choose others
+  (here: after the router moved), and its log-probabilities stay the rollout's."""
+  from moejax.moe import replay
+  from moejax.training.step import replayed_routing
+
+  policy = dataclasses.replace(lm, tokenizer=ScriptedTokenizer())
+  make_env = lambda: ToolEnv({"calculator": calculate}, max_turns=3)
+  episodes = [new_episode(Task("arithmetic", "Compute 2+3.", "5"), 0, policy.tokenizer, make_env())
+              for _ in range(2)]
+  cfg = lm.config.model
+  shape = (len(replay.moe_layers(cfg)), cfg.moe.top_k)
+  play(policy, episodes, make_env, version=0, seed=3, temperature=1.0, max_turn_tokens=6, episode_tokens=96,
+       conversation=functools.partial(Conversation, record_routing=True))
+  for e in episodes:
+    assert len(e.transcript.routing) == len(e.transcript) - 1  # every position but the last was fed
+  batch = update_batch([e.transcript for e in episodes], [1.0, -1.0], version=0, aggregation="token-mean",
+                       routing=shape)
+  replayed = batch["replay_experts"]
+  m = len(episodes[0].transcript) - 1
+  assert replayed.shape[2:] == shape and (replayed[0, :m] >= 0).all() and (replayed[0, m:] == -1).all()
+  apply = jax.jit(lambda v, b: lm.model.apply({**v, **replayed_routing(b, cfg)}, b["tokens"],
+                                              b["segment_ids"], mutable=[replay.ROUTING])[1])
+  arrays = {k: jnp.asarray(v) for k, v in batch.items()}
+  taken = lambda v, b: np.asarray(replay.stack(apply(v, b)[replay.ROUTING], cfg))
+  real = replayed >= 0
+  np.testing.assert_array_equal(taken(lm.variables, arrays)[real], replayed[real])
+  # A moved router: left alone it routes some positions elsewhere; replayed, as the rollout did.
+  moved = jax.tree_util.tree_map_with_path(
+      lambda p, x: x + 0.5 * jax.random.normal(jax.random.key(len(str(p))), x.shape)
+      if "router" in jax.tree_util.keystr(p) else x, lm.variables["params"])
+  moved = {**lm.variables, "params": moved}
+  own = {k: v for k, v in arrays.items() if k != "replay_experts"}
+  assert (taken(moved, own)[real] != replayed[real]).any()
+  np.testing.assert_array_equal(taken(moved, arrays)[real], replayed[real])
+  model = build_model(lm.config)
+  state, _, _ = init_state(model, lm.config, jax.random.key(0), 1)
+  state = state.replace(params=lm.variables["params"], balance=lm.variables["balance"])
+  metrics = jit_eval_step(model, lm.config, mismatch_objective)(state, arrays)
+  assert float(metrics["logp_mismatch"]) < 1e-4, metrics

@@ -35,8 +35,9 @@ def small_rl_config(iterations: int):
   # A budget of one token pauses every episode after its first turn; the length penalty gives the
   # groups advantages whatever the rewards
   # groups; a KL term to a frozen reference, which checkpoints keep too.
+  # Routing replay on: the paused episodes carry their recorded experts through the checkpoints.
   r.grpo.update(iterations=iterations, groups=2, group_size=2, minibatches=2, dynamic_sampling=False,
-                overlong_cache=100, rollout_tokens=1, max_staleness=1, kl_coef=0.05)
+                overlong_cache=100, rollout_tokens=1, max_staleness=1, kl_coef=0.05, routing_replay=True)
   r.eval.update(tasks=2, every=3)
   r.checkpoint_every, r.keep_checkpoints = 1, 5
   return c
