@@ -1,7 +1,8 @@
 """The long-context claim, measured: associative recall past the trained length against ablations, and
 a million-token prefill on one GPU.
 
-python -m benchmarks.long_context recall [--steps 1500] [--lengths 256,1024,4096,16384] [--out BENCHMARKS.md]
+python -m benchmarks.long_context recall [--steps 1500] [--lengths 256,1024,4096,16384] [--jobs 5]
+                                         [--out BENCHMARKS.md]
 python -m benchmarks.long_context prefill [--config experiments/h200.py] [--out BENCHMARKS.md]
 python -m benchmarks.long_context {recall,prefill} --smoke     (tiny and short, on the CPU; writes nothing)
 
@@ -48,37 +49,73 @@ def kept_length(lengths: list[int]) -> int:
   return lengths[2] if len(lengths) > 2 else lengths[-1]
 
 
-def recall(args) -> tuple[list[str], list]:
+def train_and_ask(variant: str, args) -> tuple:
+  """One variant of experiments/mqar_tiny.py trained (or resumed) in args.workdir/variant, then asked at
+  each length: (name, final validation loss, training seconds, {length: accuracy})."""
   from moejax.config import load_experiment
   from moejax.evaluation.recall import mqar_accuracy
   from moejax.inference import load_model
   from moejax.training.loop import run
 
-  rows = []
-  for variant in args.variants:
-    name, overrides = VARIANTS[variant]
-    c = load_experiment(ROOT / "experiments" / "mqar_tiny.py")
-    seq_len, _, tokens = c.train.stages[0]
-    c.train.stages = ((seq_len, args.steps, tokens),)
-    c.train.update(eval_every=args.steps, checkpoint_every=args.steps, progress_bar=False)
-    if args.smoke:
-      c.train.stages = ((64, args.steps, 256),)
-      c.data.mqar.pairs = 4
-    if overrides.get("model.kda.implementation") is None:
-      c.model.kda.implementation = "xla"  # the tiny model's head widths are below the kernels' tiles
-    c.update_from_flattened_dict(overrides)
-    workdir = os.path.join(args.workdir, variant)
-    _log(f"{name}: training {args.steps} steps in {workdir}")
-    started = time.perf_counter()
-    final = run(c, workdir)
-    trained_s = time.perf_counter() - started
-    lm = load_model(workdir, cache_len=max(args.lengths) + 16)
-    accuracy = {}
-    for length in args.lengths:
-      r = mqar_accuracy(lm, length, examples=args.examples, batch=max(1, min(64, 65536 // length)))
-      accuracy[length] = r["accuracy"]
-      _log(f"{name}: length {length}: accuracy {r['accuracy']:.3f} ({r['queries']} queries)")
-    rows.append((name, final["val_loss"], trained_s, accuracy))
+  name, overrides = VARIANTS[variant]
+  c = load_experiment(ROOT / "experiments" / "mqar_tiny.py")
+  seq_len, _, tokens = c.train.stages[0]
+  c.train.stages = ((seq_len, args.steps, tokens),)
+  c.train.update(eval_every=args.steps, checkpoint_every=args.steps, progress_bar=False)
+  if args.smoke:
+    c.train.stages = ((64, args.steps, 256),)
+    c.data.mqar.pairs = 4
+  if overrides.get("model.kda.implementation") is None:
+    c.model.kda.implementation = "xla"  # the tiny model's head widths are below the kernels' tiles
+  c.update_from_flattened_dict(overrides)
+  workdir = os.path.join(args.workdir, variant)
+  _log(f"{name}: training {args.steps} steps in {workdir}")
+  started = time.perf_counter()
+  final = run(c, workdir)
+  trained_s = time.perf_counter() - started
+  lm = load_model(workdir, cache_len=max(args.lengths) + 16)
+  accuracy = {}
+  for length in args.lengths:
+    r = mqar_accuracy(lm, length, examples=args.examples, batch=max(1, min(64, 65536 // length)))
+    accuracy[length] = r["accuracy"]
+    _log(f"{name}: length {length}: accuracy {r['accuracy']:.3f} ({r['queries']} queries)")
+  return name, final["val_loss"], trained_s, accuracy
+
+
+def in_processes(args) -> list[tuple]:
+  """train_and_ask of each variant in its own process, args.jobs at a time (a small model leaves most of
+  a GPU idle), each with its share of the device's memory; the rows in args.variants' order."""
+  import subprocess
+  import sys
+  import tempfile
+
+  rows, running, queue = {}, [], list(args.variants)
+  with tempfile.TemporaryDirectory() as tmp:
+    def start(variant):
+      out = os.path.join(tmp, f"{variant}.json")
+      argv = [sys.executable, "-m", "benchmarks.long_context", "recall", "--variants", variant, "--jobs", "1",
+              "--steps", str(args.steps), "--lengths", ",".join(map(str, args.lengths)), "--examples",
+              str(args.examples), "--workdir", args.workdir, "--row-json", out]
+      argv += ["--smoke"] if args.smoke else []
+      env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.9 / args.jobs:.3f}")
+      return variant, out, subprocess.Popen(argv, cwd=ROOT, env=env)
+
+    while queue or running:
+      while queue and len(running) < args.jobs:
+        running.append(start(queue.pop(0)))
+      variant, out, proc = running.pop(0)
+      if proc.wait() != 0:
+        raise SystemExit(f"variant {variant} failed (exit {proc.returncode}); its log is above")
+      name, loss, seconds, accuracy = json.loads(pathlib.Path(out).read_text())
+      rows[variant] = (name, loss, seconds, {int(k): v for k, v in accuracy.items()})
+  return [rows[v] for v in args.variants]
+
+
+def recall(args) -> tuple[list[str], list]:
+  if args.jobs > 1 and len(args.variants) > 1:
+    rows = in_processes(args)
+  else:
+    rows = [train_and_ask(variant, args) for variant in args.variants]
   trained, keep_at = args.lengths[0], kept_length(args.lengths)
   lines = ["| model | val loss at the end | " + " | ".join(f"accuracy at {n}" for n in args.lengths)
            + f" | at {keep_at} / at {trained} |", "|---" * (len(args.lengths) + 3) + "|"]
@@ -175,6 +212,9 @@ def main():
   parser.add_argument("--passkey", type=_ints, default=[131072, 1048576], help="prefill: passkey lengths")
   parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
   parser.add_argument("--json", default=None, help="also write the figures here")
+  parser.add_argument("--jobs", type=int, default=1,
+                      help="recall: variants trained at once, each in its own process (a GPU's share each)")
+  parser.add_argument("--row-json", default=None, help=argparse.SUPPRESS)  # one variant's row, for --jobs
   parser.add_argument("--smoke", action="store_true", help="tiny and short, on the CPU; writes no table")
   args = parser.parse_args()
   unknown = set(args.variants) - set(VARIANTS)
@@ -195,14 +235,24 @@ def main():
 
   if not args.smoke and jax.default_backend() != "gpu" and args.what == "prefill":
     raise SystemExit("prefill measures a GPU: run it on one, or pass --smoke")
+  if args.jobs < 1:
+    parser.error(f"--jobs must be >= 1, got {args.jobs}")
   if args.what == "recall":
     args.lengths = args.lengths or [256, 1024, 4096, 16384]
+    if args.row_json:  # a process of --jobs: its variant's row only
+      (variant,) = args.variants
+      pathlib.Path(args.row_json).write_text(json.dumps(train_and_ask(variant, args)))
+      return
     table, figures = recall(args)
     title = "Long-context recall (experiments/mqar_tiny.py)"
-    notes = [f"Trained {args.steps} steps at {args.lengths[0]} tokens (32 rows a step; the validation loss "
-             f"is on the queries alone), {args.examples} rows of 16 queries per length; the last column is "
-             f"the share of its accuracy a model keeps at {kept_length(args.lengths)} tokens. Target: "
-             "the NoPE hybrid keeps at least 90% at 4K."]
+    from moejax.config import load_experiment
+
+    recipe = load_experiment(ROOT / "experiments" / "mqar_tiny.py")
+    seq_len, _, tokens = recipe.train.stages[0]
+    notes = [f"Trained {args.steps} steps at {seq_len} tokens ({tokens // seq_len} rows a step; the "
+             f"validation loss is on the queries alone), {args.examples} rows of {recipe.data.mqar.pairs} "
+             f"queries per length; the last column is the share of its accuracy a model keeps at "
+             f"{kept_length(args.lengths)} tokens. Target: the NoPE hybrid keeps at least 90% at 4K."]
   else:
     args.lengths = args.lengths or [131072, 262144, 524288, 1048576]
     title = "Long-context prefill (experiments/h200.py)"
