@@ -140,9 +140,20 @@ def plot(runs: dict, path: pathlib.Path) -> None:
   shapes = sorted({s for s, _ in runs}, key=list(SHAPES).index)
   cols = 1 + max(sum(1 for s, _ in runs if s == shape) for shape in shapes)
   fig, axes = plt.subplots(len(shapes), cols, figsize=(4.5 * cols, 3.4 * len(shapes)), squeeze=False)
+  def worst_loads(train):
+    """The logged steps and [experts, steps] loads of the layer whose MaxVio_batch is worst on average."""
+    layers = layer_names(train[0])
+    mean = np.mean([[r[f"{n}/maxvio_batch"] for n in layers] for r in train], axis=0)
+    layer = layers[int(np.argmax(mean))]
+    logged = [r for r in train if f"{layer}/load" in r]
+    return layer, logged, np.array([r[f"{layer}/load"] for r in logged]).T
+
   for i, shape in enumerate(shapes):
     ax = axes[i][0]
     modes = [m for s, m in runs if s == shape]
+    # One colour scale for the shape's heatmaps, so that the modes compare by eye.
+    top = max((float(np.max(worst_loads([r for r in runs[shape, m] if "loss" in r])[2], initial=1.0))
+               for m in modes), default=1.0)
     for j, mode in enumerate(modes):
       train = [r for r in runs[shape, mode] if "loss" in r]
       layers = layer_names(train[0])
@@ -150,12 +161,10 @@ def plot(runs: dict, path: pathlib.Path) -> None:
       maxvio = np.array([[r[f"{n}/maxvio_batch"] for n in layers] for r in train])
       ax.plot(steps, maxvio.max(axis=1), color=f"C{j}", lw=0.7, label=f"{mode}: worst layer")
       ax.plot(steps, np.median(maxvio, axis=1), color=f"C{j}", lw=0.7, ls="--", label=f"{mode}: median")
-      worst_layer = layers[int(np.argmax(maxvio.mean(axis=0)))]
-      logged = [r for r in train if f"{worst_layer}/load" in r]
+      worst_layer, logged, load = worst_loads(train)
       heat = axes[i][1 + j]
       if logged:
-        load = np.array([r[f"{worst_layer}/load"] for r in logged]).T  # [experts, logged steps]
-        image = heat.imshow(load, aspect="auto", origin="lower", cmap="magma",
+        image = heat.imshow(load, aspect="auto", origin="lower", cmap="magma", vmin=0.0, vmax=top,
                             extent=(logged[0]["step"], logged[-1]["step"], 0, load.shape[0]))
         fig.colorbar(image, ax=heat, label="load / fair share")
       heat.set(title=f"{shape} {mode}: {worst_layer.split('/')[1]}", xlabel="step", ylabel="expert")
