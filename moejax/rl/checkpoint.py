@@ -4,18 +4,16 @@ JSON: the iteration, the policy version, the next group id and the paused episod
 transcripts. A run restored from it continues as the uninterrupted run would have.
 """
 
-import jax
 import orbax.checkpoint as ocp
 
-from moejax.storage import resolve_workdir
+from moejax.training.checkpoint import abstract, orbax_manager
 
 
 class RLCheckpoints:
   def __init__(self, directory: str, keep: int):
-    self._mngr = ocp.CheckpointManager(
-        resolve_workdir(directory), options=ocp.CheckpointManagerOptions(max_to_keep=keep),
-        item_handlers={"state": ocp.StandardCheckpointHandler(), "reference": ocp.StandardCheckpointHandler(),
-                       "loop": ocp.JsonCheckpointHandler()})
+    self._mngr = orbax_manager(directory, keep, {"state": ocp.StandardCheckpointHandler(),
+                                                 "reference": ocp.StandardCheckpointHandler(),
+                                                 "loop": ocp.JsonCheckpointHandler()})
 
   def save(self, step: int, state, reference, loop: dict) -> None:
     args = {"state": ocp.args.StandardSave(state), "loop": ocp.args.JsonSave(loop)}
@@ -29,8 +27,6 @@ class RLCheckpoints:
 
   def restore(self, step: int, state_template, reference_template):
     """(state, reference or None, loop record) of `step`."""
-    abstract = lambda tree: jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
     args = {"state": ocp.args.StandardRestore(abstract(state_template)), "loop": ocp.args.JsonRestore()}
     if reference_template is not None:
       args["reference"] = ocp.args.StandardRestore(abstract(reference_template))

@@ -22,16 +22,25 @@ from moejax.storage import move, orbax_s3, resolve_workdir
 log = logging.getLogger("moejax.training.checkpoint")
 
 
+def orbax_manager(directory: str, keep: int, item_handlers: dict) -> ocp.CheckpointManager:
+  """orbax's manager of `directory` (local, made absolute, or an object-store URL) for the named items,
+  saving in the background and keeping the newest `keep`; a partial save's temporary folder is cleaned."""
+  directory = resolve_workdir(directory)  # orbax refuses relative paths
+  options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
+                                         cleanup_tmp_directories=True, **orbax_s3.manager_options(directory))
+  return ocp.CheckpointManager(directory, options=options, item_handlers=item_handlers)
+
+
+def abstract(tree):
+  """The shapes, dtypes and shardings of a tree of arrays: what orbax restores into."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
 class Manager:
   def __init__(self, directory: str, keep: int):
-    directory = resolve_workdir(directory)  # orbax refuses relative paths
-    self.directory = epath.Path(directory)
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
-                                           cleanup_tmp_directories=True,
-                                           **orbax_s3.manager_options(directory))
-    self._mngr = ocp.CheckpointManager(
-        directory, options=options,
-        item_handlers={"state": ocp.StandardCheckpointHandler(), "data": StreamsCheckpointHandler()})
+    self.directory = epath.Path(resolve_workdir(directory))
+    self._mngr = orbax_manager(
+        directory, keep, {"state": ocp.StandardCheckpointHandler(), "data": StreamsCheckpointHandler()})
 
   def save(self, step: int, state, data_iterator) -> None:
     """`data_iterator`: a moejax.data.streams.StreamIterator, whose streams' positions are saved."""
@@ -49,10 +58,8 @@ class Manager:
 
   def restore(self, step: int, state_template, data_iterator):
     """(state, data_iterator) of one step; the grain state is loaded into `data_iterator`."""
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                            state_template)
     restored = self._mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), data=StreamsRestore(data_iterator)))
+        state=ocp.args.StandardRestore(abstract(state_template)), data=StreamsRestore(data_iterator)))
     return restored["state"], data_iterator
 
   def restore_latest(self, state_template, iterator_for_step):
