@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from benchmarks.report import commit, publish
+from moejax.report import ReportError, load_rows
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIGURE = ROOT / "benchmarks" / "figures" / "balance_gpu.png"
@@ -66,11 +67,12 @@ def run_config(shape: str, mode: str, steps: int, smoke: bool = False):
 
 
 def read_rows(workdir: str) -> list[dict]:
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
+  """The run's metrics rows in step order (moejax.report.load_rows: a line cut short by a kill is
+  skipped); none where the run has not logged a step yet."""
+  try:
+    return load_rows(workdir)
+  except ReportError:
     return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
 
 
 def layer_names(row: dict) -> list[str]:

@@ -79,13 +79,13 @@ def _routed(w, x_BTD, doc_BT, bias_E, *, cfg, stats_wanted: bool, axes: tuple[st
   reduce = (lambda v: jax.lax.psum(v, axes)) if axes else (lambda v: v)
   x_MD = x_BTD.reshape(b * t, d)
 
-  # The named scopes label the layer's parts in profiles (tools/trace_parts.py).
   def solve_bias(start_E):
     with jax.named_scope("quantile_balance"):
       impl = None if e.balance_implementation == "auto" else e.balance_implementation
       return quantile_bias(s_ME, k, start_E, e.balance_iters, bins=e.histogram_bins if axes else None,
                            axis_name=axes or None, implementation=impl)
 
+  # The named scopes label the layer's parts in profiles (tools/trace_parts.py).
   with jax.named_scope("router"):
     s_ME = router_scores(x_MD, w["router"], e.router_matmul)
     oracle = stats_wanted and e.balance == "quantile" and e.quantile_oracle
