@@ -163,4 +163,7 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
   use_default_memory_fraction()
-  sys.exit(main())
+  try:
+    sys.exit(main())
+  except (ValueError, FileNotFoundError) as e:  # what the run cannot do: its reason, without a traceback
+    sys.exit(f"python -m moejax.generate: {e}")
