@@ -15,12 +15,14 @@ oracle leaves is the solver's.
 The runs live in --workdir/<shape>/<mode>; a call stops itself near --time-limit-s (train.time_limit_s,
 which saves a checkpoint) and the next call with the same arguments resumes where it stopped. Each call
 rewrites the section with every run's figures so far, a run cut short marked with its step, and the
-PNG benchmarks/figures/balance_gpu.png.
+PNG benchmarks/figures/balance_gpu.png. A finished run's checkpoint is deleted (its metrics stay): the
+model's state is about 11 GB.
 """
 
 import json
 import os
 import pathlib
+import shutil
 import time
 
 import numpy as np
@@ -61,8 +63,11 @@ def run_config(shape: str, mode: str, steps: int, smoke: bool = False):
   if smoke:  # the shapes' expert counts at the tiny model's widths
     overrides = {k: v for k, v in overrides.items() if not k.endswith("hidden_dim")}
   c.update_from_flattened_dict(overrides)
+  # One checkpoint, written where a call's time runs out (train.time_limit_s) or at the end: a save of
+  # the h200 model's state is about 11 GB, and three kept per run of several would fill the disk.
   c.train.update(stages=((seq_len, steps, tokens),), microbatch_tokens=0, seed=0, log_every=10,
-                 eval_every=steps, eval_batches=4, checkpoint_every=100, progress_bar=False)
+                 eval_every=steps, eval_batches=4, checkpoint_every=steps, keep_checkpoints=1,
+                 progress_bar=False)
   return c
 
 
@@ -182,6 +187,9 @@ def plot(runs: dict, path: pathlib.Path) -> None:
 
 
 def main(args) -> None:
+  from moejax.device_memory import use_default_memory_fraction
+
+  use_default_memory_fraction()  # as `python -m moejax.train`: the h200 step does not fit JAX's default 75%
   import jax
 
   from moejax.training.loop import run
@@ -202,6 +210,8 @@ def main(args) -> None:
         run(config, workdir)
         if (read_rows(workdir) or [{}])[-1].get("step", 0) < args.steps:
           stopped = (shape, mode)
+        else:  # the figures come from the metrics; the finished run's state would only take the disk
+          shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
       rows = read_rows(workdir)
       if any("loss" in r for r in rows):
         runs[shape, mode] = rows
