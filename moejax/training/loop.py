@@ -27,7 +27,7 @@ from moejax.training import checkpoint as ckpt_lib
 from moejax.training import run_files
 from moejax.training.monitor import Monitor, summary, to_row
 from moejax.training.run_files import stage_at
-from moejax.training.state import init_sharded_state
+from moejax.training.state import sharded_state_plan
 from moejax.training.step import jit_eval_step, jit_train_step
 from moejax.vision.pipeline import make_vision_dataset
 
@@ -117,9 +117,8 @@ def run(config, workdir: str) -> dict:
   if mesh.size < jax.device_count():
     log.warning("train.mesh %s uses %d of the %d devices; the others stay idle", dict(config.train.mesh),
                 mesh.size, jax.device_count())
-  # A restore comes back in the same placement.
-  state, optimizer, _, shardings = init_sharded_state(model, config, jax.random.key(config.train.seed),
-                                                      total_steps, mesh)
+  # A restore comes back in the template's placement; the fresh state is drawn only if none is restored.
+  template, draw_state, optimizer, shardings = sharded_state_plan(model, config, total_steps, mesh)
   rows = batch_sharding(mesh)
   to_device = lambda batch: jax.tree.map(lambda x: jax.make_array_from_process_local_data(rows, x), batch)
   before = run_files.read_run_pin(workdir)
@@ -128,7 +127,7 @@ def run(config, workdir: str) -> dict:
   manager = ckpt_lib.Manager(storage.join(workdir, "checkpoints"), config.train.keep_checkpoints)
   # A changed data order is refused before anything is restored (and then again at the step restored).
   run_files.check_run(workdir, config, stages, manager.latest_step(), before, streams, warn=False)
-  restored = manager.restore_latest(state, iterator_for_step)
+  restored = manager.restore_latest(template, iterator_for_step)
   data_pin = run_files.data_pin(manifest_path, manifest, config.data)
   run_files.check_data(workdir, data_pin, manifest_path, resuming=restored is not None)
   fresh_stream, run_pin = run_files.check_run(workdir, config, stages,
@@ -140,6 +139,7 @@ def run(config, workdir: str) -> dict:
     run_files.save_for_inference(workdir, config, manifest_path, manifest)
     run_files.write_json(storage.join(workdir, "run.json"), run_pin)
   if restored is None:
+    state = draw_state(jax.random.key(config.train.seed))
     data_it = iterator_for_step(0)
   else:
     state, data_it = restored
@@ -169,7 +169,7 @@ def run(config, workdir: str) -> dict:
   # MFU: the model FLOPs of the window's steps (moejax.flops: attention within documents only, counted
   # on this process's rows) over the data-sheet peak of the mesh's cards; none where the card is unknown.
   peak = spec_bf16_peak(mesh.devices.flat[0].device_kind)
-  count_flops = flop_counter(config, jax.eval_shape(lambda: state.params))
+  count_flops = flop_counter(config, template.params)
   flops_per_token = lambda segment_ids: count_flops(segment_ids)["total"]
   trained = {"steps": 0, "tokens": 0.0, "seconds": 0.0}
   row = {}

@@ -85,13 +85,20 @@ def init_state(model: Transformer, config, rng: jax.Array, total_steps: int, dev
   return state, optimizer, axes
 
 
-def init_sharded_state(model: Transformer, config, rng: jax.Array, total_steps: int, mesh):
-  """(state, optimizer, logical_axes, shardings): the state initialised already in its place on `mesh`
-  (`state_shardings`), each device computing only its own shards, so no device or process ever holds
-  a whole copy. Equal to `init_state`'s values: the random bits do not depend on the sharding."""
+def sharded_state_plan(model: Transformer, config, total_steps: int, mesh):
+  """(template, init, optimizer, shardings): the state as shapes placed on `mesh` (jax.ShapeDtypeStruct
+  with `state_shardings`), which a checkpoint restores into, and `init(rng)`, which computes the fresh
+  state in that placement, each device only its own shards.
+
+  Nothing is allocated until `init` runs. A resumed run restores into the template and never draws the
+  fresh state: drawn first, its buffers freed only after the restored ones were allocated leave a hole
+  in the device's memory, and the step's largest buffer may no longer find room (the 1B config's 60 GiB
+  on an 80 GiB card did not)."""
   build, abstract, optimizer, axes = _state_builder(model, config, total_steps)
   shardings = state_shardings(abstract, axes, mesh)
-  return jax.jit(build, out_shardings=shardings)(rng), optimizer, axes, shardings
+  template = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                          abstract, shardings)
+  return template, jax.jit(build, out_shardings=shardings), optimizer, shardings
 
 
 def shard_state(state: TrainState, axes, mesh) -> TrainState:

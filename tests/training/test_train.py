@@ -271,10 +271,26 @@ def test_stage_switch_carries_the_state(reference):
       assert float(np.sum(state.balance[layer]["moe"]["load_total"])) == s * 512 * 2
 
 
-def test_restart_at_the_stage_boundary_and_after_a_time_limit_equals_one_process(reference, tmp_path, caplog):
+def count_fresh_states(monkeypatch) -> list:
+  """The fresh states `loop.run` draws from here on: one entry each."""
+  drawn, plan = [], loop.sharded_state_plan
+
+  def counted(*args, **kwargs):
+    template, draw, optimizer, shardings = plan(*args, **kwargs)
+    return template, lambda rng: drawn.append(rng) or draw(rng), optimizer, shardings
+
+  monkeypatch.setattr(loop, "sharded_state_plan", counted)
+  return drawn
+
+
+def test_restart_at_the_stage_boundary_and_after_a_time_limit_equals_one_process(reference, tmp_path, caplog,
+                                                                                  monkeypatch):
   """Checkpoint 20 ends stage 0; restarting there must pick up stage 1's stream where the
   uninterrupted run did. On the way the run stops at its time limit (at the first logged step past
-  it, 21), saves there, and the same command resumes it."""
+  it, 21), saves there, and the same command resumes it. Neither resume draws a fresh state: the
+  checkpoint restores into the state's shapes (a drawn state's freed buffers would split the device's
+  memory)."""
+  drawn = count_fresh_states(monkeypatch)
   copy_checkpoints(reference["workdir"], tmp_path, [20])
   limited = make_config(reference["config"].data.cache_dir, **{"train.time_limit_s": 1e-9})
   with caplog.at_level(logging.WARNING, logger="moejax.train"):
@@ -285,14 +301,18 @@ def test_restart_at_the_stage_boundary_and_after_a_time_limit_equals_one_process
   assert_same_rows(read_rows(tmp_path), reference["rows"][20:])
   assert_same_params(restore_state(reference["config"], tmp_path, TOTAL).params,
                      restore_state(reference["config"], reference["workdir"], TOTAL).params)
+  assert drawn == []
 
 
-def test_every_stage_boundary_is_checkpointed(reference, tmp_path):
-  """With checkpoint_every past the run's end, the saves are the stage boundary and the last step."""
+def test_every_stage_boundary_is_checkpointed(reference, tmp_path, monkeypatch):
+  """With checkpoint_every past the run's end, the saves are the stage boundary and the last step. A
+  fresh run draws its state once."""
+  drawn = count_fresh_states(monkeypatch)
   config = make_config(reference["config"].data.cache_dir, **{
       "train.stages": ((64, 3, 512), (128, 2, 512)), "train.checkpoint_every": 100, "train.eval_every": 0})
   loop.run(config, str(tmp_path))
   assert ckpt_lib.Manager(str(tmp_path / "checkpoints"), 5).all_steps() == [3, 5]
+  assert len(drawn) == 1
 
 
 def test_resuming_on_other_data_is_refused(reference, tmp_path):
