@@ -78,11 +78,13 @@ def main():
   names = lambda choices: lambda text: _names(text, choices)
   scale.add_argument("--shapes", type=names(balance_gpu.SHAPES), default=["h200"],
                      help=f"comma-separated, of {','.join(balance_gpu.SHAPES)}")
-  scale.add_argument("--modes", type=names(balance_gpu.MODES), default=["quantile", "sign", "aux"],
+  scale.add_argument("--modes", type=names(balance_gpu.MODES), default=["quantile", "frozen", "sign", "aux"],
                      help=f"comma-separated, of {','.join(balance_gpu.MODES)}")
   scale.add_argument("--workdir", default="runs/balance", help="the runs, resumed from here")
   scale.add_argument("--time-limit-s", type=float, default=540.0,
                      help="this call stops its runs near this many seconds (they resume next call)")
+  scale.add_argument("--frozen-steps", type=int, default=balance_gpu.FROZEN_STEPS,
+                     help="steps of the 'frozen' mode past the quantile run's end")
   scale.add_argument("--min-run-s", type=float, default=120.0,
                      help="no run starts with less time left than this")
   scale.add_argument("--figure", default=None, help="the PNG's path (benchmarks/figures/balance_gpu.png)")

@@ -1,16 +1,22 @@
 """Expert balance at scale: experts/h200.py's model trained on the embedded corpus once per balance mode,
 with the same seed and data order, and the load of every MoE layer read from each step's metrics.
 
-python -m benchmarks.balance --gpu [--steps 1000] [--shapes h200,e256,k3] [--modes quantile,sign,aux,oracle]
+python -m benchmarks.balance --gpu [--steps 1000] [--shapes h200,e256,k3]
+                                   [--modes quantile,frozen,sign,aux,oracle,smoothed]
                                    [--workdir runs/balance] [--time-limit-s 540] [--out BENCHMARKS.md]
 
 Shapes: "h200" is experiments/h200.py (64 routed experts, top 8); "e256" the same with 256 experts, top
 8, each a quarter as wide (the same expert parameters); "k3" experiments/k3.py's MoE, 896 experts top
 16 and two shared ones, at the h200 model's width (expert hidden 64). Each trains at 32K tokens a step
-(4 rows of 8K, one pass) for --steps steps. Modes: model.moe.balance "quantile", "sign" and "aux", and
-"oracle", quantile with model.moe.quantile_oracle: each batch routed with the bias solved on itself,
-which is not causal; the gap between quantile and oracle is what the bias's lag costs, and what the
-oracle leaves is the solver's.
+(4 rows of 8K, one pass) for --steps steps. Modes: model.moe.balance "quantile", "sign" and "aux";
+"smoothed", quantile with model.moe.quantile_smoothing (the bias an average of the solves); and two
+diagnostics that are not training recipes:
+- "oracle": quantile with model.moe.quantile_oracle, each batch routed with the bias solved on itself,
+  which is not causal: what it leaves is the solver's.
+- "frozen": the finished quantile run continued for FROZEN_STEPS steps with train.update_params=False,
+  the router fixed and the bias still solved on each batch for the next. Its imbalance is the batches'
+  content alone; quantile's over its last FROZEN_STEPS steps is content and the bias lagging behind a
+  moving router. It starts from the quantile run's last checkpoint, so it runs after quantile.
 
 The runs live in --workdir/<shape>/<mode>; a call stops itself near --time-limit-s (train.time_limit_s,
 which saves a checkpoint) and the next call with the same arguments resumes where it stopped. Each call
@@ -20,6 +26,7 @@ model's state is about 11 GB.
 """
 
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -41,24 +48,29 @@ SHAPES = {
            {"model.moe.num_experts": 896, "model.moe.top_k": 16, "model.moe.num_shared": 2,
             "model.moe.expert_hidden_dim": 64}),
 }
+SMOOTHING = 0.8  # "smoothed": model.moe.quantile_smoothing
 MODES = {
     "quantile": {"model.moe.balance": "quantile"},
     "sign": {"model.moe.balance": "sign"},
     "aux": {"model.moe.balance": "aux"},
     "oracle": {"model.moe.balance": "quantile", "model.moe.quantile_oracle": True},
+    "smoothed": {"model.moe.balance": "quantile", "model.moe.quantile_smoothing": SMOOTHING},
+    "frozen": {"model.moe.balance": "quantile", "train.update_params": False},
 }
+FROZEN_STEPS = 100  # "frozen" continues the finished quantile run this many steps (--frozen-steps)
 SETTLED = 0.5  # the worst layer's MaxVio_batch that a settled run stays below
 FROM_STEP = 50  # the statistics over steps skip the warmup's first steps
 SEQ_LEN, TOKENS = 8192, 32768
 
 
-def run_config(shape: str, mode: str, steps: int, smoke: bool = False):
+def run_config(shape: str, mode: str, steps: int, smoke: bool = False, frozen_steps: int = FROZEN_STEPS):
   """experiments/h200.py (experiments/tiny.py for --smoke) at 32K tokens a step in one pass, with the
   shape's and the mode's overrides."""
   from moejax.config import load_experiment
 
   c = load_experiment(ROOT / "experiments" / ("tiny.py" if smoke else "h200.py"))
   seq_len, tokens = (128, 512) if smoke else (SEQ_LEN, TOKENS)
+  steps = target_step(mode, steps, frozen_steps)
   overrides = {**SHAPES[shape][1], **MODES[mode]}
   if smoke:  # the shapes' expert counts at the tiny model's widths
     overrides = {k: v for k, v in overrides.items() if not k.endswith("hidden_dim")}
@@ -69,6 +81,43 @@ def run_config(shape: str, mode: str, steps: int, smoke: bool = False):
                  eval_every=steps, eval_batches=4, checkpoint_every=steps, keep_checkpoints=1,
                  progress_bar=False)
   return c
+
+
+def target_step(mode: str, steps: int, frozen_steps: int = FROZEN_STEPS) -> int:
+  """The step a mode's run ends at: "frozen" continues the quantile run `frozen_steps` past its end."""
+  return steps + frozen_steps if mode == "frozen" else steps
+
+
+def order_modes(modes: list[str]) -> list[str]:
+  """The modes in the order they train: "frozen" right after "quantile", whose checkpoint it starts from
+  (and which is deleted once frozen has taken it)."""
+  rest = [m for m in modes if m != "frozen"]
+  if "frozen" in modes:
+    at = rest.index("quantile") + 1 if "quantile" in rest else 0
+    rest.insert(at, "frozen")
+  return rest
+
+
+def start_frozen(shape_dir: str, steps: int) -> str | None:
+  """Puts the finished quantile run's last checkpoint into the frozen run's workdir, unless it has one;
+  returns why it cannot start, or None."""
+  own = os.path.join(shape_dir, "frozen", "checkpoints")
+  if os.path.isdir(own) and os.listdir(own):
+    return None
+  quantile = os.path.join(shape_dir, "quantile")
+  if (read_rows(quantile) or [{}])[-1].get("step", 0) < steps:
+    return f"it continues the quantile run, which has not reached step {steps}"
+  source = os.path.join(quantile, "checkpoints", str(steps))
+  if not os.path.isdir(source):
+    return (f"it starts from the quantile run's checkpoint of step {steps}, which is gone (deleted once "
+            f"a run is done): train quantile again with frozen in the same --modes")
+  shutil.copytree(source, os.path.join(own, str(steps)))
+  return None
+
+
+def reached(workdir: str) -> int:
+  """The last step a run has logged (0 before its first)."""
+  return (read_rows(workdir) or [{}])[-1].get("step", 0)
 
 
 def read_rows(workdir: str) -> list[dict]:
@@ -108,6 +157,7 @@ def summarise(rows: list[dict]) -> dict:
   later = steps >= FROM_STEP
   val = [r for r in rows if "val_loss" in r]
   return {
+      "first": int(steps[0]),
       "step": int(steps[-1]),
       "worst_median": float(np.median(worst[later])) if later.any() else float("nan"),
       "worst_max": float(worst[later].max()) if later.any() else float("nan"),
@@ -128,11 +178,39 @@ def table(results: dict, steps: int) -> list[str]:
            f"over layers: median | MaxVio_global at the end | settled below {SETTLED} from step | dropped "
            f"tokens | loss (last 10) | validation loss |", "|---" * 10 + "|"]
   for (shape, mode), r in results.items():
-    reached = f"{r['step']}" if r["step"] >= steps else f"{r['step']} of {steps} (cut short)"
+    target = r.get("target", steps)
+    span = f"{r['first']}-{r['step']}" if r["first"] > 1 else f"{r['step']}"
+    reached = span if r["step"] >= target else f"{span} of {target} (cut short)"
     val = "n/a" if r["val_loss"] is None else f"{r['val_loss']:.3f} (step {r['val_step']})"
     lines.append(f"| {shape} | {mode} | {reached} | {fmt(r['worst_median'])} / {fmt(r['worst_max'])} | "
                  f"{fmt(r['layer_median'])} | {fmt(r['global_end'])} | {fmt(r['settled_at'], 'd')} | "
                  f"{r['dropped']:.0f} | {r['loss_end']:.3f} | {val} |")
+  return lines
+
+
+def worst_layer_median(rows: list[dict], first: int, last: int) -> float:
+  """The median over steps first..last of the worst layer's MaxVio_batch."""
+  train = [r for r in rows if "loss" in r and first <= r["step"] <= last]
+  layers = layer_names(train[0])
+  return float(np.median([max(r[f"{n}/maxvio_batch"] for n in layers) for r in train]))
+
+
+def lag_and_content(runs: dict, steps: int, frozen_steps: int = FROZEN_STEPS) -> list[str]:
+  """Per shape with both runs done: quantile's imbalance over its last `frozen_steps` steps against the
+  frozen router's over the next `frozen_steps`, the same bias rule on the same stream of batches."""
+  lines = []
+  for (shape, mode), frozen in runs.items():
+    quantile = runs.get((shape, "quantile"))
+    if mode != "frozen" or quantile is None or frozen[-1]["step"] < steps + frozen_steps:
+      continue
+    moving = worst_layer_median(quantile, steps - frozen_steps + 1, steps)
+    fixed = worst_layer_median(frozen, steps + 1, steps + frozen_steps)
+    lines.append(f"- {shape}: the worst layer's MaxVio_batch, median over steps {steps - frozen_steps + 1}-"
+                 f"{steps} of quantile (content and lag) {moving:.3f}; over steps {steps + 1}-"
+                 f"{steps + frozen_steps} with the router frozen (content alone) {fixed:.3f}.")
+  if lines:
+    lines.insert(0, "Where quantile's imbalance comes from, the batches' content or the bias lagging behind "
+                    "the router:")
   return lines
 
 
@@ -192,30 +270,50 @@ def main(args) -> None:
   use_default_memory_fraction()  # as `python -m moejax.train`: the h200 step does not fit JAX's default 75%
   import jax
 
+  # The loop's phases with their times (state, compile, time limit, saves): what a call spends before
+  # its first step is time its runs do not train.
+  logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
+  logging.getLogger("moejax").setLevel(logging.INFO)
+
   from moejax.training.loop import run
 
   if not args.smoke and jax.default_backend() != "gpu":
     raise SystemExit("benchmarks.balance --gpu needs a GPU; add --smoke for the tiny model on the CPU")
   began = time.perf_counter()
-  results, runs, stopped = {}, {}, None
+  results, runs, stopped, skipped = {}, {}, None, []
+  modes = order_modes(args.modes)
   for shape in args.shapes:
-    for mode in args.modes:
-      workdir = os.path.join(args.workdir, shape, mode)
+    shape_dir = os.path.join(args.workdir, shape)
+    for mode in modes:
+      workdir = os.path.join(shape_dir, mode)
+      target = target_step(mode, args.steps, args.frozen_steps)
       left = args.time_limit_s - (time.perf_counter() - began)
-      done = (read_rows(workdir) or [{}])[-1].get("step", 0) >= args.steps
+      done = reached(workdir) >= target
       if not done and stopped is None and left > args.min_run_s:
-        config = run_config(shape, mode, args.steps, args.smoke)
+        why_not = start_frozen(shape_dir, args.steps) if mode == "frozen" else None
+        if why_not is not None:
+          skipped.append(f"{shape} frozen did not run: {why_not}.")
+          continue
+        config = run_config(shape, mode, args.steps, args.smoke, args.frozen_steps)
         config.train.time_limit_s = left
         print(f"{shape} {mode}: training in {workdir} ({left:.0f} s left)", flush=True)
         run(config, workdir)
-        if (read_rows(workdir) or [{}])[-1].get("step", 0) < args.steps:
+        if reached(workdir) < target:
           stopped = (shape, mode)
-        else:  # the figures come from the metrics; the finished run's state would only take the disk
-          shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
       rows = read_rows(workdir)
+      if mode == "frozen":
+        rows = [r for r in rows if r["step"] > args.steps]
       if any("loss" in r for r in rows):
         runs[shape, mode] = rows
-        results[shape, mode] = summarise(rows)
+        results[shape, mode] = {**summarise(rows), "target": target}
+    # The figures come from the metrics; a finished run's state would only take the disk, but for
+    # quantile's last one while frozen has still to start from it.
+    frozen_pending = "frozen" in modes and reached(os.path.join(shape_dir, "frozen")) < target_step(
+        "frozen", args.steps, args.frozen_steps)
+    for mode in modes:
+      if reached(os.path.join(shape_dir, mode)) >= target_step(mode, args.steps, args.frozen_steps) and not (
+          mode == "quantile" and frozen_pending):
+        shutil.rmtree(os.path.join(shape_dir, mode, "checkpoints"), ignore_errors=True)
   if not results:
     raise SystemExit("no run has trained a step yet: give --time-limit-s more time")
   device = "CPU (smoke)" if args.smoke else jax.devices()[0].device_kind
@@ -225,8 +323,15 @@ def main(args) -> None:
            f"{seq_len}-token rows, {tokens} tokens a step in one pass, on the embedded "
            f"stdlib corpus; seed and data order alike in every run. MaxVio_batch per layer and step from "
            f"the metrics log; the statistics start at step {FROM_STEP}. 'oracle' routes each batch with "
-           f"the bias solved on itself (not causal; model.moe.quantile_oracle).", "",
+           f"the bias solved on itself (not causal; model.moe.quantile_oracle); 'frozen' continues the "
+           f"finished quantile run with the parameters fixed (train.update_params=False); 'smoothed' "
+           f"averages the solves (model.moe.quantile_smoothing={SMOOTHING}).", "",
            *table(results, args.steps)]
+  why = lag_and_content(runs, args.steps, args.frozen_steps)
+  if why:
+    lines += ["", *why]
+  if skipped:
+    lines += ["", *skipped]
   if stopped is not None:
     lines += ["", f"Cut short at {stopped[0]} {stopped[1]} by --time-limit-s; the same command resumes."]
   if not args.smoke or args.figure:

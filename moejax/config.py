@@ -125,6 +125,11 @@ def base_config() -> ml_collections.ConfigDict:
   # solved on that same batch, so what imbalance remains is the solver's and the bins', none of it the
   # bias lagging behind the router. Evaluation and generation route with the carried bias as usual.
   e.quantile_oracle = False
+  # The bias that routes the next batch: this much of the current bias plus the rest of the one solved on
+  # this batch (an exponential average of the solves). 0 takes the solve alone, which balances this
+  # batch exactly and carries its content's quirks into the next; averaging trades them for a bias
+  # that follows a moving router more slowly. Causal either way.
+  e.quantile_smoothing = 0.0
   e.sign_rate = 1e-3  # one sign step per forward pass: per pass of train.microbatch_tokens
   e.aux_loss_weight = 1e-4
   # The routing bias's start on the first top_k experts (the others start at 0): 0 for real runs; a
@@ -194,6 +199,11 @@ def base_config() -> ml_collections.ConfigDict:
   # saving a checkpoint there: the same command resumes it (a job's time limit, a benchmark split over
   # calls). Process 0's clock decides for every process. 0: no limit.
   t.time_limit_s = 0.0
+  # False: each step computes the loss and folds its routing into the balance state as usual, and leaves
+  # the parameters and the optimizer state as they are. A diagnostic: the load under a router that does
+  # not move, so what imbalance remains is the batches' content, none of it the bias lagging behind the
+  # router (benchmarks/balance.py --gpu, mode "frozen").
+  t.update_params = True
   t.maxvio_alert = 1.0  # warn when MaxVio_batch stays above this ...
   t.maxvio_alert_steps = 50  # ... for this many consecutive steps
   t.progress_bar = True
@@ -370,6 +380,12 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     need(not e.quantile_oracle or e.balance == "quantile",
          f"model.moe.quantile_oracle routes with the quantile bias: it needs balance='quantile', not "
          f"{e.balance!r}")
+    smoothing = e.quantile_smoothing
+    need(isinstance(smoothing, int | float) and not isinstance(smoothing, bool) and 0 <= smoothing < 1,
+         f"model.moe.quantile_smoothing must be a number in [0, 1), got {smoothing!r}")
+    need(not smoothing or (e.balance == "quantile" and not e.quantile_oracle),
+         f"model.moe.quantile_smoothing={smoothing} averages the causal quantile bias: it needs "
+         f"balance='quantile' without quantile_oracle")
     need(e.grouped_matmul in GROUPED_MATMULS,
          f"model.moe.grouped_matmul={e.grouped_matmul!r} not in {GROUPED_MATMULS}")
     need(e.balance_implementation in BALANCE_IMPLEMENTATIONS,

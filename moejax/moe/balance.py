@@ -142,7 +142,9 @@ def _updated_layer(mode, state, stats, cfg_moe, path):
     if "bias_next" not in stats:
       raise KeyError(f"router stats at {'/'.join(path)} have no 'bias_next': was the model built "
                      f"with moe.balance='quantile'?")
-    new["bias"] = jnp.asarray(stats["bias_next"], jnp.float32)
+    solved = jnp.asarray(stats["bias_next"], jnp.float32)
+    smoothing = cfg_moe.quantile_smoothing
+    new["bias"] = solved if not smoothing else smoothing * state["bias"] + (1.0 - smoothing) * solved
   elif mode == "sign":
     new["bias"] = sign_update(state["bias"], load, cfg_moe.sign_rate)
   else:  # "aux" and "none" never move the bias: 0, unless moe.initial_bias skews the start for good
@@ -155,7 +157,8 @@ def next_balance_state(mode: str, balance_vars, router_stats, cfg_moe):
 
   balance_vars: the "balance" collection (nested by module path, leaves per MoE layer:
   {"bias", "load_total"}); router_stats: the "router" collection that the same apply sowed.
-  quantile: the bias computed from this batch; sign: one sign step of rate cfg_moe.sign_rate;
+  quantile: the bias computed from this batch (averaged with the current one by
+  cfg_moe.quantile_smoothing); sign: one sign step of rate cfg_moe.sign_rate;
   aux/none: zeros. Every mode accumulates load_total. Pure and jittable.
   """
   if mode not in BALANCE_MODES:

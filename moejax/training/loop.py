@@ -141,9 +141,10 @@ def run(config, workdir: str) -> dict:
   if restored is None:
     state = draw_state(jax.random.key(config.train.seed))
     data_it = iterator_for_step(0)
+    log.info("initialised the state (%.1f s since the start)", time.perf_counter() - began)
   else:
     state, data_it = restored
-    log.info("resumed from step %d", int(state.step))
+    log.info("resumed from step %d (%.1f s since the start)", int(state.step), time.perf_counter() - began)
     if fresh_stream:
       data_it = iterator_for_step(int(state.step))
       log.info("step %d is in stage %d, where the saved run was not at this step: its stream starts afresh",

@@ -141,6 +141,8 @@ def make_train_step(model: Transformer, optimizer: optax.GradientTransformation,
       params = optax.apply_updates(state.params, updates)
       if config.optim.qk_clip_tau > 0:
         params = qk_clip(params, _mla_max_logits(stats.get("attn_stats", {})), config.optim.qk_clip_tau)
+    if not config.train.update_params:  # the diagnostic of a router that does not move (config.py)
+      params, opt_state = state.params, state.opt_state
     router_stats = stats.get("router", {})
 
     # A non-finite loss or gradient skips the whole update, balance state included.

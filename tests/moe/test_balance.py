@@ -158,6 +158,21 @@ def test_next_balance_state(mode):
   chex.assert_trees_all_close(layer["bias"], jnp.array(expected), atol=1e-7)
 
 
+def test_smoothed_quantile_bias_averages_the_solves():
+  """quantile_smoothing s: the next bias is s * the current one + (1 - s) * this batch's solve, so over
+  a run it is the exponential average of the solves from the starting bias on."""
+  s = 0.75
+  solves = jax.random.normal(jax.random.key(0), (5, 4))
+  solves = solves - solves.mean(axis=1, keepdims=True)
+  state = nested({"bias": jnp.zeros(4), "load_total": jnp.zeros(4)})
+  update = jax.jit(lambda b, st: balance.next_balance_state("quantile", b, st, moe_cfg(quantile_smoothing=s)))
+  for solve in solves:
+    state = update(state, nested({"load": jnp.ones(4), "bias_next": solve}))
+  weights = (1 - s) * s ** jnp.arange(len(solves))[::-1]
+  chex.assert_trees_all_close(state["layer_1"]["moe"]["bias"], weights @ solves, atol=1e-6)
+  assert abs(float(jnp.mean(state["layer_1"]["moe"]["bias"]))) < 1e-6  # stays mean-zero
+
+
 def test_next_balance_state_errors():
   state = nested({"bias": jnp.zeros(4), "load_total": jnp.zeros(4)})
   with pytest.raises(ValueError, match="balance mode"):

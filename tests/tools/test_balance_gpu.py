@@ -1,6 +1,9 @@
 """benchmarks/balance_gpu.py's reading of a run's metrics: the settling step, the summary and the plot,
 on metrics rows made up here (the runs themselves are the training loop's, tested in tests/training)."""
 
+import json
+import os
+
 import numpy as np
 import pytest
 
@@ -57,3 +60,44 @@ def test_table_marks_a_run_cut_short_and_the_plot_is_written(tmp_path):
   assert lines[3].startswith("| h200 | sign | 40 of 60 (cut short) |") and lines[3].endswith("| n/a |"), lines
   balance_gpu.plot(runs, tmp_path / "balance.png")
   assert (tmp_path / "balance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_runs_resume_across_calls_and_frozen_continues_quantile(tmp_path, monkeypatch, capsys):
+  """Two calls of the benchmark (--smoke: the tiny model on the CPU). The first stops quantile at its
+  time limit (the first logged step past it); the second resumes it to the end, then runs frozen from
+  quantile's last checkpoint for --frozen-steps more, and deletes both runs' checkpoints once done."""
+  from benchmarks import balance
+
+  monkeypatch.chdir(tmp_path)  # relative paths, as a user types them
+  monkeypatch.setenv("MOEJAX_CACHE_DIR", str(tmp_path / "cache"))
+  common = ["--gpu", "--smoke", "--steps", "20", "--frozen-steps", "10", "--modes", "frozen,quantile",
+            "--workdir", "runs/balance", "--json", "figures.json", "--min-run-s", "0"]
+
+  def call(limit):
+    monkeypatch.setattr("sys.argv", ["balance", *common, "--time-limit-s", str(limit)])
+    balance.main()
+    return json.loads((tmp_path / "figures.json").read_text()), capsys.readouterr().out
+
+  figures, out = call(5)  # compiling alone takes longer: the run stops at step 10
+  assert list(figures) == ["h200 quantile"] and figures["h200 quantile"]["step"] == 10
+  assert "| h200 | quantile | 10 of 20 (cut short) |" in out and "the same command resumes" in out
+  assert os.listdir("runs/balance/h200/quantile/checkpoints") == ["10"]
+
+  figures, out = call(600)
+  assert figures["h200 quantile"]["step"] == 20
+  frozen = figures["h200 frozen"]
+  assert (frozen["first"], frozen["step"]) == (21, 30) and frozen["dropped"] == 0
+  assert "| h200 | frozen | 21-30 |" in out
+  assert "median over steps 11-20 of quantile (content and lag)" in out
+  assert "over steps 21-30 with the router frozen (content alone)" in out
+  for mode in ("quantile", "frozen"):
+    assert not os.path.exists(f"runs/balance/h200/{mode}/checkpoints"), mode
+
+
+def test_frozen_without_quantiles_checkpoint_says_why(tmp_path):
+  (tmp_path / "quantile").mkdir()
+  assert "has not reached step 20" in balance_gpu.start_frozen(str(tmp_path), 20)
+  (tmp_path / "quantile" / "metrics.jsonl").write_text(json.dumps({"step": 20, "loss": 1.0}) + "\n")
+  assert "which is gone" in balance_gpu.start_frozen(str(tmp_path), 20)
+  order = balance_gpu.order_modes(["sign", "frozen", "aux", "quantile"])
+  assert order == ["sign", "aux", "quantile", "frozen"]

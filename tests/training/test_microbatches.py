@@ -266,3 +266,22 @@ def test_passes_on_a_mesh_match_one_device(mesh_axes, layouts):
   chex.assert_trees_all_close(jax.device_get(got.params), want.params, rtol=2e-5, atol=2e-6)
   for name in ("loss", "nll", "tokens", "grad_norm", "moe/dropped"):
     np.testing.assert_allclose(got_m[name], want_m[name], rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("microbatch_tokens", [0, 2 * SEQ])
+def test_a_step_without_parameter_updates_still_balances(microbatch_tokens):
+  """train.update_params=False: the loss and the balance state are the updating step's, in one pass or
+  in several; the parameters and the optimizer state stay as they were."""
+  config = small_config("quantile", microbatch_tokens)
+  step, state, _ = gradient_step(config)
+  frozen_config = small_config("quantile", microbatch_tokens)
+  frozen_config.unlock().train.update_params = False
+  frozen_step, _, _ = gradient_step(validate(frozen_config))
+  updated, metrics = step(state, batch_of(0))
+  frozen, frozen_metrics = frozen_step(state, batch_of(0))
+  chex.assert_trees_all_equal(frozen.params, state.params)
+  chex.assert_trees_all_equal(frozen.opt_state, state.opt_state)
+  chex.assert_trees_all_close(frozen.balance, updated.balance)
+  assert not np.allclose(frozen.balance["layer_1"]["moe"]["bias"], state.balance["layer_1"]["moe"]["bias"])
+  np.testing.assert_allclose(frozen_metrics["loss"], metrics["loss"], rtol=1e-6)
+  assert int(frozen.step) == 1
