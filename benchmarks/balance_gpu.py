@@ -147,6 +147,25 @@ def settling_step(worst: np.ndarray, steps: np.ndarray, limit: float = SETTLED) 
   return int(steps[above[-1] + 1])
 
 
+def persistence(train: list[dict]) -> float:
+  """How much of each expert's load excess outlasts a batch: the correlation of every (layer, expert)'s
+  load over its fair share between consecutive logged steps (train.log_every apart), from FROM_STEP on,
+  averaged. Near 0 the excesses are the batches' own (content); a bias lagging behind the router
+  leaves the same experts over- or underloaded step after step, and the correlation high."""
+  layers = layer_names(train[0])
+  logged = [r for r in train if r["step"] >= FROM_STEP and f"{layers[0]}/load" in r]
+  if len(logged) < 3:
+    return float("nan")
+  corrs = []
+  for n in layers:
+    load = np.array([r[f"{n}/load"] for r in logged], np.float64)  # [logged steps, experts]
+    excess = load / load.mean(axis=1, keepdims=True) - 1.0
+    a, b = excess[:-1] - excess[:-1].mean(axis=0), excess[1:] - excess[1:].mean(axis=0)
+    spread = np.sqrt((a * a).sum(axis=0) * (b * b).sum(axis=0))
+    corrs += list((a * b).sum(axis=0)[spread > 0] / spread[spread > 0])
+  return float(np.mean(corrs)) if corrs else float("nan")
+
+
 def summarise(rows: list[dict]) -> dict:
   """The figures of one run from its metrics rows (one per step)."""
   train = [r for r in rows if "loss" in r]
@@ -164,6 +183,7 @@ def summarise(rows: list[dict]) -> dict:
       "layer_median": float(np.median(median[later])) if later.any() else float("nan"),
       "global_end": float(train[-1]["moe/maxvio_global"]),
       "settled_at": settling_step(worst, steps),
+      "persistence": persistence(train),
       "dropped": float(sum(r.get("moe/dropped", 0.0) for r in train)),
       "loss_end": float(np.mean([r["loss"] for r in train[-10:]])),
       "val_loss": val[-1]["val_loss"] if val else None,
@@ -174,9 +194,10 @@ def summarise(rows: list[dict]) -> dict:
 def table(results: dict, steps: int) -> list[str]:
   missing = lambda v: v is None or (isinstance(v, float) and np.isnan(v))
   fmt = lambda v, spec=".3f": "n/a" if missing(v) else format(v, spec)
-  lines = [f"| shape | mode | steps | worst layer's MaxVio_batch, steps {FROM_STEP}-end: median / max | mean "
-           f"over layers: median | MaxVio_global at the end | settled below {SETTLED} from step | dropped "
-           f"tokens | loss (last 10) | validation loss |", "|---" * 10 + "|"]
+  lines = [f"| shape | mode | steps | worst layer's MaxVio_batch, steps {FROM_STEP}-end: median / max | "
+           f"mean over layers: median | MaxVio_global at the end | settled below {SETTLED} from step | "
+           f"load excess kept over a logging interval (correlation) | dropped tokens | loss (last 10) | "
+           f"validation loss |", "|---" * 11 + "|"]
   for (shape, mode), r in results.items():
     target = r.get("target", steps)
     span = f"{r['first']}-{r['step']}" if r["first"] > 1 else f"{r['step']}"
@@ -184,7 +205,7 @@ def table(results: dict, steps: int) -> list[str]:
     val = "n/a" if r["val_loss"] is None else f"{r['val_loss']:.3f} (step {r['val_step']})"
     lines.append(f"| {shape} | {mode} | {reached} | {fmt(r['worst_median'])} / {fmt(r['worst_max'])} | "
                  f"{fmt(r['layer_median'])} | {fmt(r['global_end'])} | {fmt(r['settled_at'], 'd')} | "
-                 f"{r['dropped']:.0f} | {r['loss_end']:.3f} | {val} |")
+                 f"{fmt(r.get('persistence'), '.2f')} | {r['dropped']:.0f} | {r['loss_end']:.3f} | {val} |")
   return lines
 
 
@@ -275,6 +296,7 @@ def main(args) -> None:
   logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
   logging.getLogger("moejax").setLevel(logging.INFO)
 
+  from moejax.data.prepare import load_manifest, prepare
   from moejax.training.loop import run
 
   if not args.smoke and jax.default_backend() != "gpu":
@@ -317,13 +339,16 @@ def main(args) -> None:
   if not results:
     raise SystemExit("no run has trained a step yet: give --time-limit-s more time")
   device = "CPU (smoke)" if args.smoke else jax.devices()[0].device_kind
-  seq_len, _, tokens = run_config(args.shapes[0], args.modes[0], args.steps, args.smoke).train.stages[0]
+  config = run_config(args.shapes[0], args.modes[0], args.steps, args.smoke)
+  seq_len, _, tokens = config.train.stages[0]
+  corpus = load_manifest(prepare(config.data))["splits"]["train"]["tokens"]  # prepared already: a lookup
   lines = [f"Command: `python -m benchmarks.balance --gpu {' '.join(args.argv)}`  ",
            f"Date: {time.strftime('%Y-%m-%d')}, device: {device}, commit: {commit()}.", "",
-           f"{seq_len}-token rows, {tokens} tokens a step in one pass, on the embedded "
-           f"stdlib corpus; seed and data order alike in every run. MaxVio_batch per layer and step from "
-           f"the metrics log; the statistics start at step {FROM_STEP}. 'oracle' routes each batch with "
-           f"the bias solved on itself (not causal; model.moe.quantile_oracle); 'frozen' continues the "
+           f"{seq_len}-token rows, {tokens} tokens a step in one pass, on the embedded stdlib corpus "
+           f"({corpus:,} training tokens: {args.steps} steps pass over it {args.steps * tokens / corpus:.1f} "
+           f"times); seed and data order alike in every run. MaxVio_batch per layer and step from the "
+           f"metrics log; the statistics start at step {FROM_STEP}. 'oracle' routes each batch with the "
+           f"bias solved on itself (not causal; model.moe.quantile_oracle); 'frozen' continues the "
            f"finished quantile run with the parameters fixed (train.update_params=False); 'smoothed' "
            f"averages the solves (model.moe.quantile_smoothing={SMOOTHING}).", "",
            *table(results, args.steps)]

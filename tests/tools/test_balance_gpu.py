@@ -101,3 +101,20 @@ def test_frozen_without_quantiles_checkpoint_says_why(tmp_path):
   assert "which is gone" in balance_gpu.start_frozen(str(tmp_path), 20)
   order = balance_gpu.order_modes(["sign", "frozen", "aux", "quantile"])
   assert order == ["sign", "aux", "quantile", "frozen"]
+
+
+def test_persistence_tells_a_lasting_excess_from_a_batchs_own():
+  rng = np.random.default_rng(0)
+  steps = range(10, 1010, 10)
+
+  def rows(loads):
+    return [{"step": s, "loss": 1.0, "moe/layer_1/moe/maxvio_batch": 0.0, "moe/layer_1/moe/load": list(load)}
+            for s, load in zip(steps, loads, strict=True)]
+
+  noise = 1 + 0.3 * rng.standard_normal((len(steps), 16))
+  assert abs(balance_gpu.persistence(rows(noise))) < 0.1
+  # A slowly wandering excess (an AR(1) of coefficient 0.9 per logging interval), as a lagging bias leaves.
+  lasting = np.zeros((len(steps), 16))
+  for t in range(1, len(steps)):
+    lasting[t] = 0.9 * lasting[t - 1] + 0.1 * rng.standard_normal(16)
+  assert balance_gpu.persistence(rows(1 + lasting)) > 0.7
