@@ -22,7 +22,8 @@ The runs live in --workdir/<shape>/<mode>; a call stops itself near --time-limit
 which saves a checkpoint) and the next call with the same arguments resumes where it stopped. Each call
 rewrites the section with every run's figures so far, a run cut short marked with its step, and the
 PNG benchmarks/figures/balance_gpu.png. A finished run's checkpoint is deleted (its metrics stay): the
-model's state is about 11 GB.
+model's state is about 11 GB. XLA's compiled programs are kept in --workdir/xla-cache (unless
+JAX_COMPILATION_CACHE_DIR says where), so a resuming call does not compile its step again.
 """
 
 import json
@@ -301,6 +302,10 @@ def main(args) -> None:
 
   if not args.smoke and jax.default_backend() != "gpu":
     raise SystemExit("benchmarks.balance --gpu needs a GPU; add --smoke for the tiny model on the CPU")
+  if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    # XLA's persistent cache beside the runs: a call that resumes a run loads its step instead of
+    # compiling it again.
+    jax.config.update("jax_compilation_cache_dir", os.path.abspath(os.path.join(args.workdir, "xla-cache")))
   began = time.perf_counter()
   results, runs, stopped, skipped = {}, {}, None, []
   modes = order_modes(args.modes)

@@ -92,8 +92,9 @@ def sharded_state_plan(model: Transformer, config, total_steps: int, mesh):
 
   Nothing is allocated until `init` runs. A resumed run restores into the template and never draws the
   fresh state: drawn first, its buffers freed only after the restored ones were allocated leave a hole
-  in the device's memory, and the step's largest buffer may no longer find room (the 1B config's 60 GiB
-  on an 80 GiB card did not)."""
+  in the device's memory, where the step's largest buffer may no longer find room (a resumed
+  experiments/h200.py run, drawn and then restored, ran out of memory on an 80 GiB H100 where the
+  fresh run fitted)."""
   build, abstract, optimizer, axes = _state_builder(model, config, total_steps)
   shardings = state_shardings(abstract, axes, mesh)
   template = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
