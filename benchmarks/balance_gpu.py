@@ -78,9 +78,9 @@ def run_config(shape: str, mode: str, steps: int, smoke: bool = False, frozen_st
   c.update_from_flattened_dict(overrides)
   # One checkpoint, written where a call's time runs out (train.time_limit_s) or at the end: a save of
   # the h200 model's state is about 11 GB, and three kept per run of several would fill the disk.
-  c.train.update(stages=((seq_len, steps, tokens),), microbatch_tokens=0, seed=0, log_every=10,
-                 eval_every=steps, eval_batches=4, checkpoint_every=steps, keep_checkpoints=1,
-                 progress_bar=False)
+  c.train.update(stages=((seq_len, steps, tokens),), microbatch_tokens=0, seed=0,
+                 log_every=5 if smoke else 10, eval_every=steps, eval_batches=1 if smoke else 4,
+                 checkpoint_every=steps, keep_checkpoints=1, progress_bar=False)
   return c
 
 

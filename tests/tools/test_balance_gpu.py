@@ -70,7 +70,7 @@ def test_the_runs_resume_across_calls_and_frozen_continues_quantile(tmp_path, mo
 
   monkeypatch.chdir(tmp_path)  # relative paths, as a user types them
   monkeypatch.setenv("MOEJAX_CACHE_DIR", str(tmp_path / "cache"))
-  common = ["--gpu", "--smoke", "--steps", "20", "--frozen-steps", "10", "--modes", "frozen,quantile",
+  common = ["--gpu", "--smoke", "--steps", "10", "--frozen-steps", "5", "--modes", "frozen,quantile",
             "--workdir", "runs/balance", "--json", "figures.json", "--min-run-s", "0"]
 
   def call(limit):
@@ -78,18 +78,18 @@ def test_the_runs_resume_across_calls_and_frozen_continues_quantile(tmp_path, mo
     balance.main()
     return json.loads((tmp_path / "figures.json").read_text()), capsys.readouterr().out
 
-  figures, out = call(5)  # compiling alone takes longer: the run stops at step 10
-  assert list(figures) == ["h200 quantile"] and figures["h200 quantile"]["step"] == 10
-  assert "| h200 | quantile | 10 of 20 (cut short) |" in out and "the same command resumes" in out
-  assert os.listdir("runs/balance/h200/quantile/checkpoints") == ["10"]
+  figures, out = call(5)  # compiling alone takes longer: it stops at step 5, the first logged
+  assert list(figures) == ["h200 quantile"] and figures["h200 quantile"]["step"] == 5
+  assert "| h200 | quantile | 5 of 10 (cut short) |" in out and "the same command resumes" in out
+  assert os.listdir("runs/balance/h200/quantile/checkpoints") == ["5"]
 
   figures, out = call(600)
-  assert figures["h200 quantile"]["step"] == 20
+  assert figures["h200 quantile"]["step"] == 10
   frozen = figures["h200 frozen"]
-  assert (frozen["first"], frozen["step"]) == (21, 30) and frozen["dropped"] == 0
-  assert "| h200 | frozen | 21-30 |" in out
-  assert "median over steps 11-20 of quantile (content and lag)" in out
-  assert "over steps 21-30 with the router frozen (content alone)" in out
+  assert (frozen["first"], frozen["step"]) == (11, 15) and frozen["dropped"] == 0
+  assert "| h200 | frozen | 11-15 |" in out and "training tokens: 10 steps pass over it" in out
+  assert "median over steps 6-10 of quantile (content and lag)" in out
+  assert "over steps 11-15 with the router frozen (content alone)" in out
   for mode in ("quantile", "frozen"):
     assert not os.path.exists(f"runs/balance/h200/{mode}/checkpoints"), mode
 
