@@ -25,9 +25,12 @@ def fitted_size(height: int, width: int, *, patch: int, merge: int, max_pixels: 
   if max_pixels < unit * unit:
     raise ValueError(f"max_pixels={max_pixels} is below one merged patch ({unit}x{unit} pixels)")
   scale = min(1.0, math.sqrt(max_pixels / (height * width)))
-  h, w = max(1, round(height * scale / unit)), max(1, round(width * scale / unit))
-  while h * w * unit * unit > max_pixels:  # rounding up may cross the cap: take a unit off the longer side
-    if h >= w:
+  target_h, target_w = height * scale / unit, width * scale / unit  # in units, within the cap
+  h, w = max(1, round(target_h)), max(1, round(target_w))
+  # Rounding up may cross the cap: take a unit off the side that rounding raised most (the longer one
+  # on a tie). Down to its floor, each side stays within a unit of its target, and the floors fit.
+  while h * w * unit * unit > max_pixels:
+    if w == 1 or (h > 1 and (h - target_h, h) >= (w - target_w, w)):
       h -= 1
     else:
       w -= 1

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 
 from moejax.config import base_config, validate
 from moejax.data.tokenizer import BOS_ID, IMAGE_ID
@@ -63,6 +63,8 @@ def test_patchify_lists_merge_blocks_with_their_coordinates():
 
 @given(st.integers(1, 3000), st.integers(1, 3000), st.sampled_from([14, 16]), st.integers(1, 4))
 @settings(max_examples=60, deadline=None)
+@example(190, 526, 14, 3)  # both sides round up past the cap
+@example(106, 925, 14, 3)  # only the short side rounds up: it is the one to give a unit back
 def test_fitted_size_keeps_native_size_and_aspect_under_the_cap(h, w, patch, merge):
   unit = patch * merge
   cap = 64 * unit * unit
