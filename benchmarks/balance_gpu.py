@@ -1,8 +1,8 @@
-"""Expert balance at scale: experts/h200.py's model trained on the embedded corpus once per balance mode,
+"""Expert balance at scale: experiments/h200.py's model trained on the embedded corpus once per balance mode,
 with the same seed and data order, and the load of every MoE layer read from each step's metrics.
 
 python -m benchmarks.balance --gpu [--steps 1000] [--shapes h200,e256,k3]
-                                   [--modes quantile,frozen,sign,aux,oracle,smoothed]
+                                   [--modes quantile,frozen,sign,aux,oracle,smoothed] [--frozen-steps 100]
                                    [--workdir runs/balance] [--time-limit-s 540] [--out BENCHMARKS.md]
 
 Shapes: "h200" is experiments/h200.py (64 routed experts, top 8); "e256" the same with 256 experts, top
