@@ -60,8 +60,8 @@ def summarise(rows: list[dict]) -> dict:
   val = [r["val_loss"] for r in rows if "val_loss" in r]
   return {
       "maxvio_batch": float(np.mean([r["moe/maxvio_batch"] for r in second_half])),
-      "worst_median": float(np.median([max(r[f"{n}/maxvio_batch"] for n in balance_gpu.layer_names(r))
-                                       for r in second_half])),
+      "worst_median": balance_gpu.worst_layer_median(second_half, second_half[0]["step"],
+                                                     second_half[-1]["step"]),
       "maxvio_global": train[-1]["moe/maxvio_global"],
       "loss": float(np.mean([r["loss"] for r in train[-10:]])),
       "val_loss": val[-1] if val else float("nan"),

@@ -106,7 +106,7 @@ def start_frozen(shape_dir: str, steps: int) -> str | None:
   if os.path.isdir(own) and os.listdir(own):
     return None
   quantile = os.path.join(shape_dir, "quantile")
-  if (read_rows(quantile) or [{}])[-1].get("step", 0) < steps:
+  if reached(quantile) < steps:
     return f"it continues the quantile run, which has not reached step {steps}"
   source = os.path.join(quantile, "checkpoints", str(steps))
   if not os.path.isdir(source):
@@ -116,9 +116,14 @@ def start_frozen(shape_dir: str, steps: int) -> str | None:
   return None
 
 
+def last_step(rows: list[dict]) -> int:
+  """The last step of a run's metrics rows (0 before its first)."""
+  return rows[-1]["step"] if rows else 0
+
+
 def reached(workdir: str) -> int:
   """The last step a run has logged (0 before its first)."""
-  return (read_rows(workdir) or [{}])[-1].get("step", 0)
+  return last_step(read_rows(workdir))
 
 
 def read_rows(workdir: str) -> list[dict]:
@@ -311,23 +316,25 @@ def main(args) -> None:
   modes = order_modes(args.modes)
   for shape in args.shapes:
     shape_dir = os.path.join(args.workdir, shape)
+    last = {}  # the last step each run has logged
     for mode in modes:
       workdir = os.path.join(shape_dir, mode)
       target = target_step(mode, args.steps, args.frozen_steps)
       left = args.time_limit_s - (time.perf_counter() - began)
-      done = reached(workdir) >= target
-      if not done and stopped is None and left > args.min_run_s:
-        why_not = start_frozen(shape_dir, args.steps) if mode == "frozen" else None
-        if why_not is not None:
-          skipped.append(f"{shape} frozen did not run: {why_not}.")
-          continue
-        config = run_config(shape, mode, args.steps, args.smoke, args.frozen_steps)
-        config.train.time_limit_s = left
-        print(f"{shape} {mode}: training in {workdir} ({left:.0f} s left)", flush=True)
-        run(config, workdir)
-        if reached(workdir) < target:
-          stopped = (shape, mode)
       rows = read_rows(workdir)
+      if last_step(rows) < target and stopped is None and left > args.min_run_s:
+        why_not = start_frozen(shape_dir, args.steps) if mode == "frozen" else None
+        if why_not is None:
+          config = run_config(shape, mode, args.steps, args.smoke, args.frozen_steps)
+          config.train.time_limit_s = left
+          print(f"{shape} {mode}: training in {workdir} ({left:.0f} s left)", flush=True)
+          run(config, workdir)
+          rows = read_rows(workdir)
+          if last_step(rows) < target:
+            stopped = (shape, mode)
+        else:
+          skipped.append(f"{shape} frozen did not run: {why_not}.")
+      last[mode] = last_step(rows)
       if mode == "frozen":
         rows = [r for r in rows if r["step"] > args.steps]
       if any("loss" in r for r in rows):
@@ -335,11 +342,9 @@ def main(args) -> None:
         results[shape, mode] = {**summarise(rows), "target": target}
     # The figures come from the metrics; a finished run's state would only take the disk, but for
     # quantile's last one while frozen has still to start from it.
-    frozen_pending = "frozen" in modes and reached(os.path.join(shape_dir, "frozen")) < target_step(
-        "frozen", args.steps, args.frozen_steps)
+    done = {mode: last[mode] >= target_step(mode, args.steps, args.frozen_steps) for mode in modes}
     for mode in modes:
-      if reached(os.path.join(shape_dir, mode)) >= target_step(mode, args.steps, args.frozen_steps) and not (
-          mode == "quantile" and frozen_pending):
+      if done[mode] and not (mode == "quantile" and "frozen" in modes and not done["frozen"]):
         shutil.rmtree(os.path.join(shape_dir, mode, "checkpoints"), ignore_errors=True)
   if not results:
     raise SystemExit("no run has trained a step yet: give --time-limit-s more time")
